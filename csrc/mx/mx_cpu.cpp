@@ -1,0 +1,298 @@
+// CPU kernels of the MX ops: the reference backend. Argument checks and output allocation live
+// here; the quantization loops are in mx_cpu_quant_kernel.cpp, compiled once per instruction set.
+//
+// mx_matmul is emulated: operands are dequantized to fp32 (exact), the weight-side operand tile
+// by tile, and multiplied with the fp32 GEMM (MKL). On CPUs without fast bf16 GEMM that is
+// several times faster than a bf16 matmul of the same shape.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <array>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/mx_format.h"
+#include "mx_cpu_kernels.h"
+
+
+namespace zrw {
+namespace {
+
+using mx::ElemFormat;
+using mx::ScaleMode;
+using mx::kBlock;
+
+ElemFormat elem_format(at::ScalarType t) {
+  return t == at::kFloat8_e4m3fn ? ElemFormat::E4M3 : ElemFormat::E5M2;
+}
+
+uint8_t* bytes_of(at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_cpu(const at::Tensor& x, int64_t dim,
+                                                    at::ScalarType elem_dtype,
+                                                    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize";
+  checks::check_device(op, "x", x, c10::DeviceType::CPU);
+  checks::check_float_input(op, "x", x);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const int64_t d = checks::wrap_dim(op, "x", dim, x.dim());
+
+  const at::Tensor xc = x.contiguous();
+  auto data = at::empty(x.sizes(), x.options().dtype(elem_dtype));
+  auto scale = at::empty(checks::scale_shape_along(x.sizes(), d),
+                         x.options().dtype(at::kFloat8_e8m0fnu));
+  const int64_t D = x.size(d);
+  int64_t outer = 1, inner = 1;
+  for (int64_t i = 0; i < d; ++i) outer *= x.size(i);
+  for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
+  const ElemFormat fmt = elem_format(elem_dtype);
+  uint8_t* dp = bytes_of(data);
+  uint8_t* sp = bytes_of(scale);
+  cpu::QuantOutputs o;
+  if (inner == 1) {
+    // Blocks run along the contiguous axis: one matrix (outer, D), blocks along its rows.
+    o.row_data = dp;
+    o.row_scale = sp;
+    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), 1, outer, D, fmt, mode, o);
+  } else {
+    // Blocks run across rows: `outer` matrices (D, inner), blocks down their columns.
+    o.col_data = dp;
+    o.col_scale = sp;
+    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), outer, D, inner, fmt, mode, o);
+  }
+  return {data, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
+    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual";
+  checks::check_device(op, "w", w, c10::DeviceType::CPU);
+  checks::check_float_input(op, "w", w);
+  checks::check_weight_rank(op, w);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+
+  const at::Tensor wc = w.contiguous();
+  const int64_t nd = w.dim();
+  const int64_t E = nd == 3 ? w.size(0) : 1, N = w.size(nd - 2), K = w.size(nd - 1);
+  const auto fp8 = w.options().dtype(elem_dtype);
+  const auto e8 = w.options().dtype(at::kFloat8_e8m0fnu);
+  auto data_fwd = at::empty(w.sizes(), fp8);
+  auto scale_fwd = at::empty(checks::scale_shape_along(w.sizes(), nd - 1), e8);
+  auto data_bwd = at::empty(w.sizes(), fp8);
+  auto scale_bwd = at::empty(checks::scale_shape_along(w.sizes(), nd - 2), e8);
+  cpu::QuantOutputs o;
+  o.row_data = bytes_of(data_fwd);
+  o.row_scale = bytes_of(scale_fwd);
+  o.col_data = bytes_of(data_bwd);
+  o.col_scale = bytes_of(scale_bwd);
+  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), E, N, K, elem_format(elem_dtype),
+                         mode, o);
+  return {data_fwd, scale_fwd, data_bwd, scale_bwd};
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
+                                                          at::ScalarType elem_dtype,
+                                                          c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_block";
+  checks::check_device(op, "w", w, c10::DeviceType::CPU);
+  checks::check_float_input(op, "w", w);
+  checks::check_weight_rank(op, w);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+
+  const at::Tensor wc = w.contiguous();
+  const int64_t nd = w.dim();
+  const int64_t E = nd == 3 ? w.size(0) : 1, N = w.size(nd - 2), K = w.size(nd - 1);
+  const int64_t NB = mx::ceil_div(N, kBlock), KB = mx::ceil_div(K, kBlock);
+  auto data = at::empty(w.sizes(), w.options().dtype(elem_dtype));
+  std::vector<int64_t> bshape(w.sizes().begin(), w.sizes().end());
+  bshape[nd - 2] = NB;
+  bshape[nd - 1] = KB;
+  auto block_scale = at::empty(bshape, w.options().dtype(at::kFloat8_e8m0fnu));
+  cpu::QuantOutputs o;
+  o.tile_data = bytes_of(data);
+  o.tile_scale = bytes_of(block_scale);
+  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), E, N, K, elem_format(elem_dtype),
+                         mode, o);
+  return {data, block_scale};
+}
+
+// Element byte -> fp32 for every byte value.
+using DecodeTable = std::array<float, 256>;
+template <ElemFormat F>
+DecodeTable make_decode_table() {
+  DecodeTable t{};
+  for (int b = 0; b < 256; ++b) t[b] = mx::decode_elem<F>(static_cast<uint8_t>(b));
+  return t;
+}
+const DecodeTable& decode_table(at::ScalarType elem) {
+  static const DecodeTable e4m3 = make_decode_table<ElemFormat::E4M3>();
+  static const DecodeTable e5m2 = make_decode_table<ElemFormat::E5M2>();
+  return elem == at::kFloat8_e4m3fn ? e4m3 : e5m2;
+}
+
+void check_scale_matches(const char* op, const char* data_arg, const char* scale_arg,
+                         const at::Tensor& data, const at::Tensor& scale, int64_t dim) {
+  const auto expected = checks::scale_shape_along(data.sizes(), dim);
+  TORCH_CHECK_VALUE(scale.sizes().vec() == expected, op, ": ", scale_arg, " must have shape ",
+                    at::IntArrayRef(expected), " for ", data_arg, " of shape ", data.sizes(),
+                    " blocked along dim ", dim, ", got ", scale.sizes());
+}
+
+at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
+                             at::ScalarType out_dtype) {
+  constexpr const char* op = "zrw.mx_dequantize";
+  checks::check_device(op, "data", data, c10::DeviceType::CPU);
+  checks::check_device(op, "scale", scale, c10::DeviceType::CPU);
+  checks::check_elem_dtype(op, "data", data.scalar_type());
+  checks::check_scale_dtype(op, "scale", scale);
+  checks::check_out_dtype(op, out_dtype);
+  const int64_t d = checks::wrap_dim(op, "data", dim, data.dim());
+  check_scale_matches(op, "data", "scale", data, scale, d);
+
+  const at::Tensor dc = data.contiguous(), sc = scale.contiguous();
+  auto out = at::empty(data.sizes(), data.options().dtype(at::kFloat));
+  const int64_t D = data.size(d);
+  const int64_t DB = mx::ceil_div(D, kBlock);
+  int64_t outer = 1, inner = 1;
+  for (int64_t i = 0; i < d; ++i) outer *= data.size(i);
+  for (int64_t i = d + 1; i < data.dim(); ++i) inner *= data.size(i);
+  const DecodeTable& lut = decode_table(data.scalar_type());
+  const uint8_t* dp = static_cast<const uint8_t*>(dc.const_data_ptr());
+  const uint8_t* sp = static_cast<const uint8_t*>(sc.const_data_ptr());
+  float* op_ = out.data_ptr<float>();
+  // Row g of the (outer * D, inner) view uses scale row (g / D) * DB + (g % D) / 32.
+  at::parallel_for(0, outer * D, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inner)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* srow = sp + ((g / D) * DB + (g % D) / kBlock) * inner;
+      const uint8_t* drow = dp + g * inner;
+      float* orow = op_ + g * inner;
+      for (int64_t i = 0; i < inner; ++i) orow[i] = lut[drow[i]] * mx::scale_from_byte(srow[i]);
+    }
+  });
+  return out_dtype == at::kFloat ? out : out.to(out_dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// mx_matmul.
+
+// One MX operand (R, K) blocked along K: fp8 bytes and e8m0 scale (R, ceil(K/32)) with arbitrary
+// strides. Nothing is copied: tiles are dequantized straight from the strided bytes.
+struct MxOperand {
+  const uint8_t* data;
+  int64_t rows, k, s_row, s_k;
+  const uint8_t* scale;
+  int64_t ss_row, ss_kb;
+  const DecodeTable* lut;
+
+  MxOperand(const at::Tensor& d, const at::Tensor& s)
+      : data(static_cast<const uint8_t*>(d.const_data_ptr())),
+        rows(d.size(0)), k(d.size(1)), s_row(d.stride(0)), s_k(d.stride(1)),
+        scale(static_cast<const uint8_t*>(s.const_data_ptr())),
+        ss_row(s.stride(0)), ss_kb(s.stride(1)),
+        lut(&decode_table(d.scalar_type())) {}
+
+  // Row-major along K unless the bytes are column-major (the .t() of a tensor blocked along
+  // its other axis), which is dequantized in its own memory order and handed to the GEMM
+  // transposed.
+  bool col_major() const { return s_k != 1 && s_row == 1; }
+
+  float value(int64_t r, int64_t kk) const {
+    return (*lut)[data[r * s_row + kk * s_k]] *
+           mx::scale_from_byte(scale[r * ss_row + (kk / kBlock) * ss_kb]);
+  }
+
+  // Rows [r0, r0 + nr) into `buf` as fp32 (exact): row-major (nr, K), or, when col_major(),
+  // in the bytes' own order (K, nr).
+  void dequantize_rows(int64_t r0, int64_t nr, float* buf) const {
+    const auto& t = *lut;
+    if (col_major()) {
+      at::parallel_for(0, k, 64, [&](int64_t kb, int64_t ke) {
+        for (int64_t kk = kb; kk < ke; ++kk) {
+          const uint8_t* d = data + kk * s_k + r0;
+          const uint8_t* s = scale + (kk / kBlock) * ss_kb + r0 * ss_row;
+          float* o = buf + kk * nr;
+          for (int64_t r = 0; r < nr; ++r) {
+            o[r] = t[d[r]] * mx::scale_from_byte(s[r * ss_row]);
+          }
+        }
+      });
+    } else {
+      at::parallel_for(0, nr, 8, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; ++r) {
+          const uint8_t* d = data + (r0 + r) * s_row;
+          const uint8_t* s = scale + (r0 + r) * ss_row;
+          float* o = buf + r * k;
+          for (int64_t kk = 0; kk < k; ++kk) {
+            o[kk] = t[d[kk * s_k]] * mx::scale_from_byte(s[(kk / kBlock) * ss_kb]);
+          }
+        }
+      });
+    }
+  }
+};
+
+at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                         const at::Tensor& b_scale, at::ScalarType out_dtype) {
+  constexpr const char* op = "zrw.mx_matmul";
+  checks::check_device(op, "a", a, c10::DeviceType::CPU);
+  checks::check_device(op, "a_scale", a_scale, c10::DeviceType::CPU);
+  checks::check_device(op, "b", b, c10::DeviceType::CPU);
+  checks::check_device(op, "b_scale", b_scale, c10::DeviceType::CPU);
+  checks::check_elem_dtype(op, "a", a.scalar_type());
+  checks::check_elem_dtype(op, "b", b.scalar_type());
+  checks::check_scale_dtype(op, "a_scale", a_scale);
+  checks::check_scale_dtype(op, "b_scale", b_scale);
+  checks::check_out_dtype(op, out_dtype);
+  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-d (M, K), got shape ", a.sizes());
+  TORCH_CHECK_VALUE(b.dim() == 2, op, ": b must be 2-d (N, K), got shape ", b.sizes());
+  TORCH_CHECK_VALUE(a.size(1) == b.size(1), op,
+                    ": a (M, K) and b (N, K) must share K (both blocked along K), got a ",
+                    a.sizes(), " and b ", b.sizes());
+  check_scale_matches(op, "a", "a_scale", a, a_scale, 1);
+  check_scale_matches(op, "b", "b_scale", b, b_scale, 1);
+
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  auto c = at::empty({M, N}, a.options().dtype(at::kFloat));
+  if (M == 0 || N == 0 || K == 0) return c.zero_().to(out_dtype);
+  const MxOperand A(a, a_scale), B(b, b_scale);
+  const auto f32 = a.options().dtype(at::kFloat);
+
+  // A is dequantized once (twice the bytes of a bf16 activation); B tile by tile (~8 MiB of
+  // fp32), so no full high-precision copy of the weight ever exists.
+  at::Tensor a32 = A.col_major() ? at::empty({K, M}, f32) : at::empty({M, K}, f32);
+  A.dequantize_rows(0, M, a32.data_ptr<float>());
+  const at::Tensor a_mat = A.col_major() ? a32.t() : a32;
+
+  const int64_t tile = std::min(N, std::max<int64_t>(64, ((int64_t{1} << 21) / K) / 64 * 64));
+  at::Tensor b32 = at::empty({tile * K}, f32);
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t nb = std::min(tile, N - n0);
+    B.dequantize_rows(n0, nb, b32.data_ptr<float>());
+    // (K, nb) operand: the transpose of a row-major (nb, K) tile, or a column-major tile as is.
+    const at::Tensor b_mat = B.col_major() ? b32.narrow(0, 0, nb * K).view({K, nb})
+                                           : b32.narrow(0, 0, nb * K).view({nb, K}).t();
+    at::Tensor c_tile = c.narrow(1, n0, nb);
+    at::mm_out(c_tile, a_mat, b_mat);
+  }
+  return out_dtype == at::kFloat ? c : c.to(out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zrw, CPU, m) {
+  m.impl("mx_quantize", &mx_quantize_cpu);
+  m.impl("mx_quantize_dual", &mx_quantize_dual_cpu);
+  m.impl("mx_quantize_block", &mx_quantize_block_cpu);
+  m.impl("mx_dequantize", &mx_dequantize_cpu);
+  m.impl("mx_matmul", &mx_matmul_cpu);
+}
+
+}  // namespace zrw

@@ -1,0 +1,77 @@
+// Picks the CPU quantization kernel once per process: the widest instruction set that both the
+// build (ZRW_HAVE_X86_ISAS) and the CPU support, unless ZRW_CPU_ISA=base|avx2|avx512 asks for a
+// specific one (tests run every variant to check they give the same bytes).
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "mx_cpu_kernels.h"
+
+namespace zrw::cpu {
+namespace {
+
+struct Choice {
+  const char* name;
+  QuantizeMatricesFn quantize;
+};
+
+bool cpu_has(const char* isa) {
+#if defined(ZRW_HAVE_X86_ISAS)
+  if (std::strcmp(isa, "avx512") == 0) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }
+  if (std::strcmp(isa, "avx2") == 0) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+#endif
+  return std::strcmp(isa, "base") == 0;
+}
+
+Choice pick() {
+  const Choice choices[] = {
+#if defined(ZRW_HAVE_X86_ISAS)
+      {"avx512", &avx512::quantize_matrices},
+      {"avx2", &avx2::quantize_matrices},
+#endif
+      {"base", &base::quantize_matrices},
+  };
+  if (const char* forced = std::getenv("ZRW_CPU_ISA"); forced && *forced) {
+    for (const auto& c : choices) {
+      if (std::strcmp(c.name, forced) != 0) continue;
+      TORCH_CHECK(cpu_has(c.name), "ZRW_CPU_ISA=", forced,
+                  " was requested but this CPU does not support it");
+      return c;
+    }
+    TORCH_CHECK(false, "ZRW_CPU_ISA must be one of the kernels built into zrw "
+#if defined(ZRW_HAVE_X86_ISAS)
+                       "(avx512, avx2, base)"
+#else
+                       "(base)"
+#endif
+                       ", got \"", forced, "\"");
+  }
+  for (const auto& c : choices) {
+    if (cpu_has(c.name)) return c;
+  }
+  return choices[sizeof(choices) / sizeof(choices[0]) - 1];
+}
+
+const Choice& chosen() {
+  static const Choice c = pick();
+  return c;
+}
+
+}  // namespace
+
+const char* active_isa() { return chosen().name; }
+
+void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
+                       int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
+                       const QuantOutputs& out) {
+  chosen().quantize(src, src_dtype, nmat, N, K, fmt, mode, out);
+}
+
+}  // namespace zrw::cpu

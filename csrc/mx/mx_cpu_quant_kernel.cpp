@@ -1,0 +1,253 @@
+// The quantization strip kernel, compiled once per instruction set (see CMakeLists.txt:
+// ZRW_CPU_ISA is base, avx2 or avx512) and picked at load time by mx_cpu_dispatch.cpp; the
+// per-ISA builds are what let the compiler vectorize the element loops for AVX2/AVX-512 while
+// the wheel still runs on any x86-64.
+//
+// Quantization works on strips of 32 rows of a matrix (N, K) (a stack (E, N, K) is E matrices),
+// column chunk by column chunk: a chunk is converted to fp32 once into a small buffer that stays
+// in L1/L2, and every requested layout (blocks along K, blocks along N, 32x32 tiles) is written
+// from that one read. The element loops are plain C++ over fp32 bit patterns (mx_format.h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "../common/mx_format.h"
+#include "mx_cpu_kernels.h"
+
+#ifndef ZRW_CPU_ISA
+#error "compile mx_cpu_quant_kernel.cpp with -DZRW_CPU_ISA=<base|avx2|avx512>"
+#endif
+
+namespace zrw::cpu::ZRW_CPU_ISA {
+namespace {
+
+using mx::ElemFormat;
+using mx::ScaleMode;
+using mx::kBlock;
+
+constexpr int64_t kChunkCols = 512;  // 32 x 512 fp32 = 64 KiB: the strip buffer fits in L2
+
+// ---------------------------------------------------------------------------------------------
+// Hot loops.
+
+// Encode in groups of 64 through a 32-bit lane buffer, then narrow: GCC vectorizes both loops
+// (it does not vectorize the encode chain when it ends in a uint8 store).
+constexpr int64_t kGroup = 64;
+
+template <ElemFormat F>
+inline void encode_span_impl(const float* __restrict x, const float* __restrict inv,
+                             uint8_t* __restrict out, int64_t n) {
+  uint32_t lanes[kGroup];
+  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+    const int64_t m = std::min(kGroup, n - j0);
+    for (int64_t j = 0; j < m; ++j) lanes[j] = mx::encode_elem_lane<F>(x[j0 + j] * inv[j0 + j]);
+    for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(lanes[j]);
+  }
+}
+template <ElemFormat F>
+inline void encode_span_uniform_impl(const float* __restrict x, float inv,
+                                     uint8_t* __restrict out, int64_t n) {
+  uint32_t lanes[kGroup];
+  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+    const int64_t m = std::min(kGroup, n - j0);
+    for (int64_t j = 0; j < m; ++j) lanes[j] = mx::encode_elem_lane<F>(x[j0 + j] * inv);
+    for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(lanes[j]);
+  }
+}
+
+void encode_span_e4m3(const float* x, const float* inv, uint8_t* out, int64_t n) {
+  encode_span_impl<ElemFormat::E4M3>(x, inv, out, n);
+}
+void encode_span_e5m2(const float* x, const float* inv, uint8_t* out, int64_t n) {
+  encode_span_impl<ElemFormat::E5M2>(x, inv, out, n);
+}
+void encode_span_uniform_e4m3(const float* x, float inv, uint8_t* out, int64_t n) {
+  encode_span_uniform_impl<ElemFormat::E4M3>(x, inv, out, n);
+}
+void encode_span_uniform_e5m2(const float* x, float inv, uint8_t* out, int64_t n) {
+  encode_span_uniform_impl<ElemFormat::E5M2>(x, inv, out, n);
+}
+
+template <ElemFormat F>
+inline void encode_span(const float* x, const float* inv, uint8_t* out, int64_t n) {
+  if constexpr (F == ElemFormat::E4M3) encode_span_e4m3(x, inv, out, n);
+  else encode_span_e5m2(x, inv, out, n);
+}
+template <ElemFormat F>
+inline void encode_span_uniform(const float* x, float inv, uint8_t* out, int64_t n) {
+  if constexpr (F == ElemFormat::E4M3) encode_span_uniform_e4m3(x, inv, out, n);
+  else encode_span_uniform_e5m2(x, inv, out, n);
+}
+
+// keys[j] = max(keys[j], |x[j]|) on abs keys (NaN-propagating, see mx::abs_key).
+void accumulate_col_keys(const float* x, uint32_t* keys, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t k = mx::abs_key(x[j]);
+    keys[j] = k > keys[j] ? k : keys[j];
+  }
+}
+
+// keys[b] = max |x| over x[32b .. 32b+31]; n is a multiple of 32 (the buffer is zero padded).
+void block_keys_along_row(const float* x, uint32_t* keys, int64_t nblocks) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const uint32_t k = mx::abs_key(x[b * kBlock + j]);
+      m = k > m ? k : m;
+    }
+    keys[b] = m;
+  }
+}
+
+void load_bf16_span(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = mx::bits_f32(static_cast<uint32_t>(src[j]) << 16);
+}
+
+template <typename T>
+inline void load_span(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    load_bf16_span(reinterpret_cast<const uint16_t*>(src), dst, n);
+  } else if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The strip kernel.
+
+struct StripScratch {
+  std::vector<float> buf = std::vector<float>(kBlock * kChunkCols);
+  std::vector<uint32_t> keys = std::vector<uint32_t>(kChunkCols);
+  std::vector<float> inv = std::vector<float>(kChunkCols);
+  std::vector<uint8_t> bytes = std::vector<uint8_t>(kChunkCols);
+};
+
+// Quantizes rows [r0, r0 + nrows) (nrows <= 32, r0 a multiple of 32) of one matrix.
+template <ElemFormat F, typename T>
+void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
+                    const QuantOutputs& out, StripScratch& s) {
+  const int64_t nrows = std::min<int64_t>(kBlock, N - r0);
+  const int64_t KB = mx::ceil_div(K, kBlock);
+  const int64_t strip = r0 / kBlock;
+  float* buf = s.buf.data();
+  for (int64_t c0 = 0; c0 < K; c0 += kChunkCols) {
+    const int64_t C = std::min(kChunkCols, K - c0);
+    const int64_t Cpad = mx::ceil_div(C, kBlock) * kBlock;
+    for (int64_t r = 0; r < nrows; ++r) {
+      float* row = buf + r * kChunkCols;
+      load_span(src + (r0 + r) * K + c0, row, C);
+      // Missing elements of a partial block count as 0 for amax.
+      for (int64_t j = C; j < Cpad; ++j) row[j] = 0.0f;
+    }
+
+    if (out.row_data) {
+      const int64_t nb = Cpad / kBlock;
+      for (int64_t r = 0; r < nrows; ++r) {
+        const float* row = buf + r * kChunkCols;
+        uint8_t* drow = out.row_data + (r0 + r) * K + c0;
+        uint8_t* srow = out.row_scale + (r0 + r) * KB + c0 / kBlock;
+        block_keys_along_row(row, s.keys.data(), nb);
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t sb = mx::scale_byte_from_amax_key<F>(s.keys[b], mode);
+          srow[b] = sb;
+          const int64_t n = std::min(kBlock, C - b * kBlock);
+          if (sb == mx::kScaleNaN) {
+            std::memset(drow + b * kBlock, mx::kElemNaN, n);
+          } else {
+            encode_span_uniform<F>(row + b * kBlock, mx::inv_scale_from_byte(sb),
+                                   drow + b * kBlock, n);
+          }
+        }
+      }
+    }
+
+    if (out.col_data || out.tile_data) {
+      uint32_t* keys = s.keys.data();
+      std::fill(keys, keys + Cpad, 0u);
+      for (int64_t r = 0; r < nrows; ++r) accumulate_col_keys(buf + r * kChunkCols, keys, Cpad);
+      bool any_nan = false;
+      auto emit = [&](uint8_t* data, int64_t nan_group) {
+        for (int64_t r = 0; r < nrows; ++r) {
+          encode_span<F>(buf + r * kChunkCols, s.inv.data(), data + (r0 + r) * K + c0, C);
+        }
+        if (!any_nan) return;
+        for (int64_t j = 0; j < C; ++j) {
+          if (s.bytes[j / nan_group] != mx::kScaleNaN) continue;
+          for (int64_t r = 0; r < nrows; ++r) data[(r0 + r) * K + c0 + j] = mx::kElemNaN;
+        }
+      };
+      if (out.col_data) {
+        uint8_t* srow = out.col_scale + strip * K + c0;
+        for (int64_t j = 0; j < C; ++j) {
+          const uint8_t sb = mx::scale_byte_from_amax_key<F>(keys[j], mode);
+          srow[j] = sb;
+          s.bytes[j] = sb;
+          s.inv[j] = mx::inv_scale_from_byte(sb);
+          any_nan |= sb == mx::kScaleNaN;
+        }
+        emit(out.col_data, 1);
+      }
+      if (out.tile_data) {
+        any_nan = false;
+        uint8_t* srow = out.tile_scale + strip * KB + c0 / kBlock;
+        for (int64_t b = 0; b < Cpad / kBlock; ++b) {
+          uint32_t m = 0;
+          for (int64_t j = 0; j < kBlock; ++j) m = std::max(m, keys[b * kBlock + j]);
+          const uint8_t sb = mx::scale_byte_from_amax_key<F>(m, mode);
+          srow[b] = sb;
+          s.bytes[b] = sb;
+          any_nan |= sb == mx::kScaleNaN;
+          const float inv = mx::inv_scale_from_byte(sb);
+          for (int64_t j = 0; j < kBlock; ++j) s.inv[b * kBlock + j] = inv;
+        }
+        emit(out.tile_data, kBlock);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
+                       int64_t K, ElemFormat fmt, ScaleMode mode, const QuantOutputs& out) {
+  const int64_t strips = mx::ceil_div(N, kBlock);
+  const int64_t total = nmat * strips;
+  if (total == 0 || K == 0) return;
+  const int64_t KB = mx::ceil_div(K, kBlock), NB = strips;
+  // Matrix m's outputs: every layout is a dense stack, so its offset is m times a matrix's size.
+  auto outs_of = [&](int64_t m) {
+    auto at_ = [](uint8_t* p, int64_t off) { return p ? p + off : nullptr; };
+    QuantOutputs o;
+    o.row_data = at_(out.row_data, m * N * K);
+    o.row_scale = at_(out.row_scale, m * N * KB);
+    o.col_data = at_(out.col_data, m * N * K);
+    o.col_scale = at_(out.col_scale, m * NB * K);
+    o.tile_data = at_(out.tile_data, m * N * K);
+    o.tile_scale = at_(out.tile_scale, m * NB * KB);
+    return o;
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src_dtype, "zrw_mx_quantize", [&] {
+    const scalar_t* base = static_cast<const scalar_t*>(src);
+    // One strip is ~32*K elements of work; small matrices run on one thread.
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      StripScratch scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / strips;
+        const int64_t r0 = (i % strips) * kBlock;
+        const scalar_t* mat = base + m * N * K;
+        if (fmt == ElemFormat::E4M3) {
+          quantize_strip<ElemFormat::E4M3>(mat, N, K, r0, mode, outs_of(m), scratch);
+        } else {
+          quantize_strip<ElemFormat::E5M2>(mat, N, K, r0, mode, outs_of(m), scratch);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace zrw::cpu::ZRW_CPU_ISA

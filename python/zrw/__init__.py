@@ -1,0 +1,22 @@
+"""zrw: zero-redundancy weights for MXFP8 training.
+
+Importing zrw loads the C++ extension `zrw._C`, which registers the `torch.ops.zrw.*` ops and
+their CPU kernels; `zrw.ops` wraps them one-to-one, `zrw.reference` is their plain-PyTorch spec.
+"""
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.zrw.*)
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "zrw's C++ extension zrw._C could not be loaded "
+        f"({e}). Rebuild it against the installed torch: "
+        "`pip install --no-build-isolation -e .` from the zrw checkout "
+        "(torch must be installed first, e.g. `pip install torch==2.13.0`)."
+    ) from e
+
+from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTensor)
+from . import config, ops, reference  # noqa: E402,F401
+from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
+
+__version__ = "0.1.0"

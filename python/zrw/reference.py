@@ -1,0 +1,388 @@
+"""The plain-PyTorch specification of every zrw MX op: readable first, fast never.
+
+Every backend (the C++ CPU kernels, CUDA, NPU) must produce the same bytes as these functions; tests
+compare against them with zero tolerance. Nothing here touches the compiled extension, so
+``import zrw.reference`` works on a machine where the extension is not built.
+
+The format (OCP Microscaling v1.0, MXFP8)
+-----------------------------------------
+A tensor is cut into blocks of ``BLOCK = 32`` consecutive elements along one axis. Each block keeps
+one shared scale ``2^e`` and 32 fp8 elements, so that ``x ~= element * 2^e``.
+
+* Scale: a ``torch.float8_e8m0fnu`` byte holding the biased exponent ``e + 127``; byte 0x00 is
+  ``2^-127``, byte 0xFF is NaN. Only ``e`` in [-127, 127] is representable.
+* Elements: ``torch.float8_e4m3fn`` (largest 448 = 1.75 * 2^8, "emax" 8) or ``torch.float8_e5m2``
+  (largest 57344 = 1.75 * 2^15, emax 15).
+* ``amax`` is a block's largest ``|x|``. A dimension that is not a multiple of 32 ends in a shorter
+  block; its missing elements count as 0.
+* ``scale_mode="floor"`` (OCP): ``e = floor(log2(amax)) - emax``. The block's largest element then
+  lands in [2^emax, 2^(emax+1)), and the part above the format's max saturates.
+* ``scale_mode="rceil"`` (cuBLAS / Transformer Engine): the smallest ``e`` with
+  ``amax / 2^e <= max``, so nothing saturates. It is floor's ``e`` or one more.
+* Both clamp ``e`` to [-127, 127]. An all-zero block therefore gets byte 0x00 (log2(0) = -inf clamps
+  to -127), and a tiny block may get a scale smaller than its amax needs (its elements are then
+  subnormal or zero). A block holding any NaN or +-Inf gets byte 0xFF and its elements are
+  unspecified (written as NaN here): a NaN weight is a bug upstream and must show, not vanish.
+* Elements are ``x / 2^e`` rounded to nearest, ties to even, saturated to +-max, subnormals kept.
+
+Canonical layouts: ``mx_quantize`` blocks along any ``dim`` and returns ``data`` with ``x``'s shape
+and ``scale`` with ``x``'s shape where ``dim`` has ``ceil(D / 32)`` entries. A weight ``W`` is
+(N, K) = (out_features, in_features) or a stack (E, N, K); its forward copy is blocked along K
+(dim -1), its backward copy along N (dim -2). The 32x32 recipe keeps one copy with one scale per
+32x32 tile (``block_scale`` (..., ceil(N/32), ceil(K/32))); ``expand_block_scale`` turns that into
+the per-axis scales the other ops take.
+
+Why the arithmetic is exact: every bf16/fp16/fp32 value times ``2^-e`` for ``e`` in [-127, 127] is
+exactly representable in float64, so blocks are scaled in float64 and rounded once, to fp8.
+"""
+
+import math
+
+import torch
+
+BLOCK = 32
+ELEM_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+ELEM_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
+E8M0_BIAS = 127
+E8M0_NAN_BYTE = 0xFF
+MIN_SCALE_EXP = -127
+MAX_SCALE_EXP = 127
+
+SCALE_MODES = ("floor", "rceil")
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# 2^(byte - 127) for every E8M0 byte, built by math.ldexp so each entry is exact by construction
+# (torch.exp2/pow on tensors make no exactness promise). Byte 0xFF is NaN.
+_E8M0_VALUE_BY_BYTE = torch.tensor(
+    [math.ldexp(1.0, byte - E8M0_BIAS) for byte in range(E8M0_NAN_BYTE)] + [math.nan],
+    dtype=torch.float64,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_input(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, found {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}.dtype must be one of {INPUT_DTYPES}, found {x.dtype}")
+
+
+def _check_elem_dtype(elem_dtype):
+    if elem_dtype not in ELEM_MAX:
+        raise TypeError(f"elem_dtype must be one of {tuple(ELEM_MAX)}, found {elem_dtype}")
+
+
+def _check_scale_mode(scale_mode):
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, found {scale_mode!r}")
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, found {out_dtype}")
+
+
+def _check_weight(w, name):
+    _check_input(w, name)
+    if w.dim() not in (2, 3):
+        raise ValueError(
+            f"{name} must be a weight of shape (N, K) or (E, N, K), found shape {tuple(w.shape)}"
+        )
+
+
+def _normalize_dim(dim, ndim, name="dim"):
+    if ndim == 0:
+        raise ValueError(f"{name}: a 0-d tensor has no axis to block along")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{name} must be in [{-ndim}, {ndim - 1}] for a {ndim}-d tensor, found {dim}"
+        )
+    return dim % ndim
+
+
+def _num_blocks(length):
+    return -(-length // BLOCK)
+
+
+# ------------------------------------------------------------------------------------------------
+# the two rules everything else is built from
+
+
+def _scale_exponent(amax, has_nonfinite, elem_dtype, scale_mode):
+    """Unbiased scale exponent ``e`` (int64) and the E8M0 byte (uint8) for each block.
+
+    ``amax`` is float64 (exact for any bf16/fp16/fp32 block); ``has_nonfinite`` marks blocks holding
+    a NaN or +-Inf. Those blocks get byte 0xFF and ``e = 0`` (a placeholder: their elements are
+    unspecified).
+    """
+    emax = ELEM_EMAX[elem_dtype]
+    max_elem = ELEM_MAX[elem_dtype]
+    usable = ~has_nonfinite & (amax > 0)
+    safe_amax = torch.where(usable, amax, torch.ones_like(amax))
+
+    # frexp gives amax = m * 2^p with m in [0.5, 1), so floor(log2(amax)) = p - 1 exactly (float64
+    # holds every fp32 subnormal as a normal number, so this holds for them too).
+    mantissa, frexp_exponent = torch.frexp(safe_amax)
+    exponent = frexp_exponent.to(torch.int64) - 1 - emax
+    if scale_mode == "rceil":
+        # floor's e puts amax / 2^e = (2m) * 2^emax in [2^emax, 2^(emax+1)); e - 1 would double it
+        # past max_elem, so the smallest e that fits is floor's e, or e + 1 when floor's e
+        # overflows the format. (2m) * 2^emax is exact in float64, and unlike amax / 2^e it needs
+        # no power of two outside the clamp range.
+        amax_over_floor_scale = 2 * mantissa * 2.0**emax
+        exponent = exponent + (amax_over_floor_scale > max_elem).to(torch.int64)
+
+    # An all-zero block has log2(amax) = -inf, which the clamp turns into -127.
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, MIN_SCALE_EXP))
+    exponent = exponent.clamp(MIN_SCALE_EXP, MAX_SCALE_EXP)
+    exponent = torch.where(has_nonfinite, torch.zeros_like(exponent), exponent)
+
+    scale_byte = torch.where(
+        has_nonfinite, torch.full_like(exponent, E8M0_NAN_BYTE), exponent + E8M0_BIAS
+    ).to(torch.uint8)
+    return exponent, scale_byte
+
+
+def _pow2(exponent):
+    """Exact 2^exponent in float64 for an int64 tensor of exponents in [-127, 127]."""
+    return _E8M0_VALUE_BY_BYTE[exponent + E8M0_BIAS]
+
+
+def _to_elements(values, exponent, has_nonfinite, elem_dtype):
+    """Round ``values / 2^exponent`` (float64, broadcast) to ``elem_dtype``: RNE, saturating."""
+    max_elem = ELEM_MAX[elem_dtype]
+    scaled = values / _pow2(exponent)  # exact: a power-of-two rescale of a <=24-bit significand
+    scaled = torch.where(has_nonfinite, torch.full_like(scaled, math.nan), scaled)
+    # Clamp before the cast: torch's e5m2 cast overflows to Inf instead of saturating. Clamping
+    # first gives the same bytes as rounding and then saturating, as the max is representable.
+    scaled = scaled.clamp(-max_elem, max_elem)
+    # torch converts float64 -> fp8 through float32, i.e. rounds twice. Going through float32
+    # ourselves is explicit and still exact where it matters: ``scaled`` is exactly representable in
+    # float32 down to 2^-126 (a <=24-bit significand), and below that every value rounds to a
+    # signed zero in fp8 (the smallest fp8 rounding boundary is 2^-17) whichever path it takes.
+    return scaled.to(torch.float32).to(elem_dtype)
+
+
+def _e8m0_value(scale_byte):
+    """2^(byte - 127) in float64 for a uint8 tensor of E8M0 bytes; NaN for 0xFF."""
+    return _E8M0_VALUE_BY_BYTE[scale_byte.to(torch.int64)]
+
+
+# ------------------------------------------------------------------------------------------------
+# quantization
+
+
+def mx_quantize(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """MX-quantize ``x`` in blocks of 32 consecutive elements along ``dim``.
+
+    Args:
+        x: any rank >= 1, dtype bfloat16, float16 or float32, any strides.
+        dim: the axis the blocks run along; its length D need not be a multiple of 32 (the last
+            block is shorter; its missing elements count as 0 for amax).
+        elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        scale_mode: ``"floor"`` or ``"rceil"`` (see the module docstring).
+
+    Returns:
+        ``(data, scale)``: ``data`` has ``x``'s shape and dtype ``elem_dtype``; ``scale`` has
+        ``x``'s shape with ``dim`` of size ``ceil(D / 32)`` and dtype ``torch.float8_e8m0fnu``.
+        Both are contiguous.
+    """
+    _check_input(x, "x")
+    _check_elem_dtype(elem_dtype)
+    _check_scale_mode(scale_mode)
+    dim = _normalize_dim(dim, x.dim())
+
+    length = x.shape[dim]
+    num_blocks = _num_blocks(length)
+    rows = x.movedim(dim, -1).to(torch.float64)
+    padded = torch.nn.functional.pad(rows, (0, num_blocks * BLOCK - length))
+    blocks = padded.reshape(*rows.shape[:-1], num_blocks, BLOCK)
+
+    # amax refuses to reduce over an empty tensor; with no blocks any empty tensor will do.
+    amax = blocks.abs().amax(dim=-1, keepdim=True) if num_blocks else blocks.sum(-1, keepdim=True)
+    has_nonfinite = (~torch.isfinite(blocks)).any(dim=-1, keepdim=True)
+    exponent, scale_byte = _scale_exponent(amax, has_nonfinite, elem_dtype, scale_mode)
+
+    elements = _to_elements(blocks, exponent, has_nonfinite, elem_dtype)
+    data = elements.reshape(padded.shape)[..., :length].movedim(-1, dim).contiguous()
+    scale = scale_byte.squeeze(-1).movedim(-1, dim).contiguous().view(torch.float8_e8m0fnu)
+    return data, scale
+
+
+def mx_quantize_dual(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """Both MX copies of a weight: blocked along K for forward, along N for backward.
+
+    Args:
+        w: weight of shape (N, K) or (E, N, K), dtype bfloat16, float16 or float32.
+
+    Returns:
+        ``(data_fwd, scale_fwd, data_bwd, scale_bwd)``: ``data_fwd`` and ``data_bwd`` have ``w``'s
+        shape; ``scale_fwd`` is (..., N, ceil(K/32)) (blocks along dim -1), ``scale_bwd`` is
+        (..., ceil(N/32), K) (blocks along dim -2). Each pair is exactly ``mx_quantize`` of ``w``
+        along that axis.
+    """
+    _check_weight(w, "w")
+    data_fwd, scale_fwd = mx_quantize(w, -1, elem_dtype, scale_mode)
+    data_bwd, scale_bwd = mx_quantize(w, -2, elem_dtype, scale_mode)
+    return data_fwd, scale_fwd, data_bwd, scale_bwd
+
+
+def mx_quantize_block(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """One MX copy of a weight with one scale per 32x32 tile (the ``mxfp8-32x32`` recipe).
+
+    The tile's amax picks its scale by the same rules as ``mx_quantize``; tiles at the bottom/right
+    edges are partial (missing elements count as 0), and a NaN or Inf anywhere in a tile makes that
+    tile's scale 0xFF. Because every 1x32 block lies inside one tile, the same ``data`` serves the
+    forward (blocks along K) and the backward (blocks along N) matmul; ``expand_block_scale`` gives
+    the matching per-axis scales.
+
+    Args:
+        w: weight of shape (N, K) or (E, N, K), dtype bfloat16, float16 or float32.
+
+    Returns:
+        ``(data, block_scale)``: ``data`` has ``w``'s shape, dtype ``elem_dtype``;
+        ``block_scale`` is (..., ceil(N/32), ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
+        Both contiguous.
+    """
+    _check_weight(w, "w")
+    _check_elem_dtype(elem_dtype)
+    _check_scale_mode(scale_mode)
+
+    rows, cols = w.shape[-2:]
+    row_tiles, col_tiles = _num_blocks(rows), _num_blocks(cols)
+    padded = torch.nn.functional.pad(
+        w.to(torch.float64), (0, col_tiles * BLOCK - cols, 0, row_tiles * BLOCK - rows)
+    )
+    tiles = padded.reshape(*w.shape[:-2], row_tiles, BLOCK, col_tiles, BLOCK)
+
+    tile_dims = (-3, -1)
+    if row_tiles and col_tiles:  # amax refuses to reduce over an empty tensor
+        amax = tiles.abs().amax(dim=tile_dims, keepdim=True)
+    else:
+        amax = tiles.sum(dim=tile_dims, keepdim=True)
+    has_nonfinite = (~torch.isfinite(tiles)).any(dim=-1, keepdim=True).any(dim=-3, keepdim=True)
+    exponent, scale_byte = _scale_exponent(amax, has_nonfinite, elem_dtype, scale_mode)
+
+    elements = _to_elements(tiles, exponent, has_nonfinite, elem_dtype)
+    data = elements.reshape(padded.shape)[..., :rows, :cols].contiguous()
+    block_scale = scale_byte.squeeze(-1).squeeze(-2).contiguous().view(torch.float8_e8m0fnu)
+    return data, block_scale
+
+
+def expand_block_scale(block_scale, shape, dim):
+    """The per-axis scale that a 32x32 block scale stands for.
+
+    Args:
+        block_scale: (..., ceil(N/32), ceil(K/32)), dtype ``torch.float8_e8m0fnu``, from
+            ``mx_quantize_block`` of a weight of ``shape``.
+        shape: the weight's shape, (N, K) or (E, N, K).
+        dim: -1 for the forward scale (blocks along K): (..., N, ceil(K/32)), each tile row
+            repeated for its 32 rows (cut to N). -2 for the backward scale (blocks along N):
+            (..., ceil(N/32), K), each tile column repeated for its 32 columns (cut to K).
+            Non-negative spellings of the last two axes are accepted too.
+
+    Returns:
+        the scale, dtype ``torch.float8_e8m0fnu``, contiguous.
+    """
+    shape = tuple(shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(f"shape must be (N, K) or (E, N, K), found {shape}")
+    if not isinstance(block_scale, torch.Tensor) or block_scale.dtype != torch.float8_e8m0fnu:
+        found = block_scale.dtype if isinstance(block_scale, torch.Tensor) else type(block_scale)
+        raise TypeError(f"block_scale must be a torch.float8_e8m0fnu tensor, found {found}")
+    rows, cols = shape[-2:]
+    expected = (*shape[:-2], _num_blocks(rows), _num_blocks(cols))
+    if tuple(block_scale.shape) != expected:
+        raise ValueError(
+            f"block_scale of a weight of shape {shape} must have shape {expected}, "
+            f"found {tuple(block_scale.shape)}"
+        )
+    dim = _normalize_dim(dim, len(shape))
+    scale_byte = block_scale.view(torch.uint8)
+    if dim == len(shape) - 1:
+        expanded = scale_byte.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
+    elif dim == len(shape) - 2:
+        expanded = scale_byte.repeat_interleave(BLOCK, dim=-1)[..., :cols]
+    else:
+        raise ValueError(f"dim must be -1 (along K) or -2 (along N), found {dim - len(shape)}")
+    return expanded.contiguous().view(torch.float8_e8m0fnu)
+
+
+# ------------------------------------------------------------------------------------------------
+# dequantization and matmul
+
+
+def mx_dequantize(data, scale, dim=-1, out_dtype=torch.bfloat16):
+    """Inverse of ``mx_quantize``: ``element * 2^(byte - 127)`` per block, cast to ``out_dtype``.
+
+    The product is formed exactly and rounded to float32 (it is exact in float32 for every fp8
+    element and every scale whose product is in float32 range, byte 0 = 2^-127 included; beyond the
+    range it overflows to +-Inf), then rounded to nearest even to ``out_dtype``. Scale byte 0xFF
+    makes the whole block NaN.
+
+    Args:
+        data: any rank >= 1, dtype ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any strides.
+        scale: ``data``'s shape with ``dim`` of size ``ceil(D / 32)``, dtype
+            ``torch.float8_e8m0fnu``, any strides.
+        dim: the axis the blocks run along.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        a contiguous tensor of ``data``'s shape and dtype ``out_dtype``.
+    """
+    if not isinstance(data, torch.Tensor) or data.dtype not in ELEM_MAX:
+        found = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
+        raise TypeError(f"data must be a tensor of dtype in {tuple(ELEM_MAX)}, found {found}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float8_e8m0fnu:
+        found = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"scale must be a tensor of dtype torch.float8_e8m0fnu, found {found}")
+    _check_out_dtype(out_dtype)
+    dim = _normalize_dim(dim, data.dim())
+    length = data.shape[dim]
+    expected = list(data.shape)
+    expected[dim] = _num_blocks(length)
+    if list(scale.shape) != expected:
+        raise ValueError(
+            f"scale for data of shape {tuple(data.shape)} blocked along dim {dim} must have shape "
+            f"{tuple(expected)}, found {tuple(scale.shape)}"
+        )
+
+    scale_per_element = scale.view(torch.uint8).repeat_interleave(BLOCK, dim=dim)
+    scale_per_element = scale_per_element.narrow(dim, 0, length)
+    product = data.to(torch.float64) * _e8m0_value(scale_per_element)
+    return product.to(torch.float32).to(out_dtype).contiguous()
+
+
+def mx_matmul(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+    """``a @ b.T`` of two MX operands, both blocked along their shared K axis.
+
+    Both operands are dequantized to float32 and multiplied with float32 accumulation; the result is
+    cast to ``out_dtype``. Either operand may be a strided view, e.g. the ``.t()`` of a tensor
+    blocked along its other axis together with the ``.t()`` of its scale.
+
+    Args:
+        a: (M, K), dtype ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        a_scale: (M, ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
+        b: (N, K), fp8 like ``a`` (the two may differ, e.g. e5m2 gradients times e4m3 weights).
+        b_scale: (N, ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        (M, N) of dtype ``out_dtype``.
+    """
+    for name, operand in (("a", a), ("b", b)):
+        if not isinstance(operand, torch.Tensor) or operand.dim() != 2:
+            found = tuple(operand.shape) if isinstance(operand, torch.Tensor) else type(operand)
+            raise ValueError(f"{name} must be a 2-d tensor (rows, K), found {found}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"a (M, K) and b (N, K) must share K, found a {tuple(a.shape)} and b {tuple(b.shape)}"
+        )
+    a_f32 = mx_dequantize(a, a_scale, dim=-1, out_dtype=torch.float32)
+    b_f32 = mx_dequantize(b, b_scale, dim=-1, out_dtype=torch.float32)
+    return (a_f32 @ b_f32.T).to(out_dtype)
