@@ -91,40 +91,42 @@ inline float scale_from_byte(uint8_t byte) {
 }
 
 // Round an already-scaled fp32 value to the element format: nearest, ties to even, saturated to
-// +-max; returns the element byte in the low 8 bits of a 32-bit lane (GCC 12 does not vectorize
-// this chain when it ends in a uint8 store, so callers narrow in a second loop; see
-// encode_elem). `y` must be finite (callers overwrite 0xFF blocks).
+// +-max; returns the element byte in the low 8 bits of a 32-bit lane. `y` must be finite
+// (callers overwrite the elements of 0xFF blocks).
 //
-// The rounding is done by the FPU: adding and subtracting 2^(E + 23 - mbits), where E is y's
-// exponent (at least the smallest normal's), leaves exactly the bits the element format keeps,
-// rounded to nearest-even by the add. The result is exactly representable, so encoding it is a
-// shift (normal) or an integer conversion (subnormal).
+// Normal range: RNE to mbits mantissa bits in the integer domain (add half-ulp-minus-one plus
+// the lowest kept bit, shift), which also carries into the exponent correctly; then rebias and
+// saturate on the code. Below the smallest normal binade's top (|y| < 2^(emin+1)) the quantum is
+// 2^(emin - mbits): adding 2^(emin - mbits + 23), whose ulp is that quantum, rounds to nearest
+// even in hardware and leaves the integer multiple k in the low mantissa bits, and k is the code
+// (subnormals, and 2^mbits + mantissa for the smallest normal binade).
+//
+// Written for GCC 12's vectorizer (callers narrow to bytes in a second loop; it gives up on the
+// chain ending in a uint8 store): signed compares (AVX2 has no unsigned ones) and prvalue
+// selects only — `c ? named_const : var` is an lvalue select that GCC lowers to a branch.
 template <ElemFormat F>
 inline uint32_t encode_elem_lane(float y) {
   using E = Elem<F>;
-  constexpr int32_t kMinExpField = 127 + E::kEminNormal;
+  constexpr int kShift = 23 - E::kMantBits;
+  constexpr uint32_t kHalfMinusOne = (1u << (kShift - 1)) - 1u;
+  constexpr int32_t kRebias = (127 - E::kBias) << E::kMantBits;
+  // max = 1.75 * 2^emax: mantissa bits 0b11 followed by zeros.
+  constexpr int32_t kMaxCode = ((E::kEmax + E::kBias) << E::kMantBits) | (3 << (E::kMantBits - 2));
+  constexpr int32_t kMinNormalBits = (127 + E::kEminNormal) << 23;
+  constexpr uint32_t kSmallMagicBits = static_cast<uint32_t>(127 + E::kEminNormal - E::kMantBits + 23)
+                                       << 23;
   const uint32_t bits = f32_bits(y);
   const uint32_t sign = (bits >> 24) & 0x80u;
-  const float a = bits_f32(bits & 0x7FFFFFFFu);
-  int32_t exp_field = static_cast<int32_t>((bits >> 23) & 0xFFu);
-  // Keep every conditional here a prvalue select (no `c ? named_const : var`): GCC 12 lowers an
-  // lvalue conditional to a branch and then refuses to vectorize the caller's loop.
-  exp_field = exp_field < kMinExpField ? 127 + E::kEminNormal : exp_field;
-  // y is at most 2^(emax+2) here, so the magic exponent never overflows.
-  const float magic = bits_f32(static_cast<uint32_t>(exp_field + 23 - E::kMantBits) << 23);
-  const float sum = a + magic;
-  constexpr float kMax = E::kMax;  // a local: `r < E::kMax ? r : E::kMax` is an lvalue select
-  float r = sum - magic;
-  r = r < kMax ? r : kMax;
-  const uint32_t normal_code = (f32_bits(r) >> (23 - E::kMantBits)) -
-                               (static_cast<uint32_t>(127 - E::kBias) << E::kMantBits);
-  // Below 2^(emin+1) the quantum is 2^(emin - mbits) and r is an integer multiple k of it; k is
-  // the code (subnormals, and the smallest normal binade whose codes are 2^mbits + mantissa).
-  // sum's low mantissa bits hold k exactly. Reading it there instead of converting r to an
-  // integer keeps the loop vectorizable on AVX2 (GCC 12 gives up on the conversion's form).
-  const uint32_t small_code = f32_bits(sum) - f32_bits(magic);
-  const uint32_t normal_mask = 0u - static_cast<uint32_t>(exp_field > kMinExpField);
-  const uint32_t code = (normal_code & normal_mask) | (small_code & ~normal_mask);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const uint32_t rounded = abs_bits + kHalfMinusOne + ((abs_bits >> kShift) & 1u);
+  int32_t normal_code = static_cast<int32_t>(rounded >> kShift) - kRebias;
+  normal_code = normal_code < kMaxCode ? normal_code : kMaxCode + 0;
+  const uint32_t small_code = f32_bits(bits_f32(abs_bits) + bits_f32(kSmallMagicBits)) -
+                              kSmallMagicBits;
+  const uint32_t normal_mask =
+      0u - static_cast<uint32_t>(static_cast<int32_t>(abs_bits) >= kMinNormalBits + 0);
+  const uint32_t code =
+      (static_cast<uint32_t>(normal_code) & normal_mask) | (small_code & ~normal_mask);
   return code | sign;
 }
 

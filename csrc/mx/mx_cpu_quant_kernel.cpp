@@ -36,49 +36,17 @@ constexpr int64_t kChunkCols = 512;  // 32 x 512 fp32 = 64 KiB: the strip buffer
 // (it does not vectorize the encode chain when it ends in a uint8 store).
 constexpr int64_t kGroup = 64;
 
+// out[j] = encode(x[j] * inv[j]): inv carries each element's block scale, so one call covers a
+// whole row chunk whatever the layout.
 template <ElemFormat F>
-inline void encode_span_impl(const float* __restrict x, const float* __restrict inv,
-                             uint8_t* __restrict out, int64_t n) {
+void encode_span(const float* __restrict x, const float* __restrict inv, uint8_t* __restrict out,
+                 int64_t n) {
   uint32_t lanes[kGroup];
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t m = std::min(kGroup, n - j0);
     for (int64_t j = 0; j < m; ++j) lanes[j] = mx::encode_elem_lane<F>(x[j0 + j] * inv[j0 + j]);
     for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(lanes[j]);
   }
-}
-template <ElemFormat F>
-inline void encode_span_uniform_impl(const float* __restrict x, float inv,
-                                     uint8_t* __restrict out, int64_t n) {
-  uint32_t lanes[kGroup];
-  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
-    const int64_t m = std::min(kGroup, n - j0);
-    for (int64_t j = 0; j < m; ++j) lanes[j] = mx::encode_elem_lane<F>(x[j0 + j] * inv);
-    for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(lanes[j]);
-  }
-}
-
-void encode_span_e4m3(const float* x, const float* inv, uint8_t* out, int64_t n) {
-  encode_span_impl<ElemFormat::E4M3>(x, inv, out, n);
-}
-void encode_span_e5m2(const float* x, const float* inv, uint8_t* out, int64_t n) {
-  encode_span_impl<ElemFormat::E5M2>(x, inv, out, n);
-}
-void encode_span_uniform_e4m3(const float* x, float inv, uint8_t* out, int64_t n) {
-  encode_span_uniform_impl<ElemFormat::E4M3>(x, inv, out, n);
-}
-void encode_span_uniform_e5m2(const float* x, float inv, uint8_t* out, int64_t n) {
-  encode_span_uniform_impl<ElemFormat::E5M2>(x, inv, out, n);
-}
-
-template <ElemFormat F>
-inline void encode_span(const float* x, const float* inv, uint8_t* out, int64_t n) {
-  if constexpr (F == ElemFormat::E4M3) encode_span_e4m3(x, inv, out, n);
-  else encode_span_e5m2(x, inv, out, n);
-}
-template <ElemFormat F>
-inline void encode_span_uniform(const float* x, float inv, uint8_t* out, int64_t n) {
-  if constexpr (F == ElemFormat::E4M3) encode_span_uniform_e4m3(x, inv, out, n);
-  else encode_span_uniform_e5m2(x, inv, out, n);
 }
 
 // keys[j] = max(keys[j], |x[j]|) on abs keys (NaN-propagating, see mx::abs_key).
@@ -151,16 +119,22 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
         uint8_t* drow = out.row_data + (r0 + r) * K + c0;
         uint8_t* srow = out.row_scale + (r0 + r) * KB + c0 / kBlock;
         block_keys_along_row(row, s.keys.data(), nb);
+        bool any_nan = false;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t sb = mx::scale_byte_from_amax_key<F>(s.keys[b], mode);
           srow[b] = sb;
-          const int64_t n = std::min(kBlock, C - b * kBlock);
-          if (sb == mx::kScaleNaN) {
-            std::memset(drow + b * kBlock, mx::kElemNaN, n);
-          } else {
-            encode_span_uniform<F>(row + b * kBlock, mx::inv_scale_from_byte(sb),
-                                   drow + b * kBlock, n);
-          }
+          s.bytes[b] = sb;
+          any_nan |= sb == mx::kScaleNaN;
+          const float inv = mx::inv_scale_from_byte(sb);
+          for (int64_t j = 0; j < kBlock; ++j) s.inv[b * kBlock + j] = inv;
+        }
+        // One encode call per row chunk: per-block calls of 32 elements cost more in loop
+        // overhead than in encoding.
+        encode_span<F>(row, s.inv.data(), drow, C);
+        if (!any_nan) continue;
+        for (int64_t b = 0; b < nb; ++b) {
+          if (s.bytes[b] != mx::kScaleNaN) continue;
+          std::memset(drow + b * kBlock, mx::kElemNaN, std::min(kBlock, C - b * kBlock));
         }
       }
     }

@@ -1,0 +1,23 @@
+"""`python -m zrw.bench NAME [--json]`: run one benchmark by name."""
+import importlib
+import sys
+
+BENCHMARKS = {
+    "quant": "zrw.bench.quant",
+}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        known = ", ".join(sorted(BENCHMARKS))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown benchmark {argv[0]!r}; known: {known}", file=sys.stderr)
+            sys.exit(2)
+        print(f"usage: python -m zrw.bench NAME [--json] [options]\nbenchmarks: {known}")
+        return
+    importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`python -m zrw.bench quant`: the MX quantization kernels against a plain copy and torchao.
+
+For one bf16 weight (default 4096 x 4096) it times, in one run: a plain `copy_` of the weight
+(the floor any kernel that reads and writes it must pay), zrw's dual-axis, 32x32-block and
+one-axis quantization, and torchao's `to_mx` doing the same work (both axes: to_mx of w and of
+w.t().contiguous()). It also times mx_matmul against a bf16 torch.matmul of the same shape, and
+the dual-axis kernel on 1 and on all threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import torch
+
+import zrw
+from zrw import ops
+from zrw.bench._timing import best_of, print_table
+
+
+def _torchao_to_mx():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception:  # torchao is optional: the benchmark says so instead of failing
+        return None
+    return lambda x: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
+
+
+def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    dst = torch.empty_like(w)
+    threads = torch.get_num_threads()
+    e4m3 = torch.float8_e4m3fn
+
+    t_copy = best_of(lambda: dst.copy_(w), repeat)
+    t_dual = best_of(lambda: ops.mx_quantize_dual(w, e4m3, "floor"), repeat)
+    t_block = best_of(lambda: ops.mx_quantize_block(w, e4m3, "floor"), repeat)
+    t_single = best_of(lambda: ops.mx_quantize(w, -1, e4m3, "floor"), repeat)
+    t_single0 = best_of(lambda: ops.mx_quantize(w, 0, e4m3, "floor"), repeat)
+    torch.set_num_threads(1)
+    try:
+        t_dual_1t = best_of(lambda: ops.mx_quantize_dual(w, e4m3, "floor"), max(3, repeat // 2))
+    finally:
+        torch.set_num_threads(threads)
+
+    to_mx = _torchao_to_mx()
+    t_ao_dual = t_ao_single = None
+    if to_mx is not None:
+        t_ao_single = best_of(lambda: to_mx(w), 3, 1)
+        t_ao_dual = best_of(lambda: (to_mx(w), to_mx(w.t().contiguous())), 3, 1)
+
+    a = torch.randn(mm, mm, dtype=torch.bfloat16)
+    b = torch.randn(mm, mm, dtype=torch.bfloat16)
+    qa, sa = ops.mx_quantize(a, -1)
+    qb, sb = ops.mx_quantize(b, -1)
+    t_mm_bf16 = best_of(lambda: torch.matmul(a, b.t()), 3, 1)
+    t_mm_mx = best_of(lambda: ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16), 3, 1)
+
+    def ratio(x, y):
+        return None if x is None or y is None else x / y
+
+    return {
+        "shape": [n, k],
+        "threads": threads,
+        "cpu_isa": zrw._C.cpu_isa(),
+        "ms": {
+            "copy": t_copy * 1e3,
+            "dual": t_dual * 1e3,
+            "block": t_block * 1e3,
+            "single_dim_-1": t_single * 1e3,
+            "single_dim_0": t_single0 * 1e3,
+            "dual_1_thread": t_dual_1t * 1e3,
+            "torchao_to_mx_dual": None if t_ao_dual is None else t_ao_dual * 1e3,
+            "torchao_to_mx_single": None if t_ao_single is None else t_ao_single * 1e3,
+            "matmul_bf16": t_mm_bf16 * 1e3,
+            "mx_matmul": t_mm_mx * 1e3,
+        },
+        "ratio_to_copy": {
+            "dual": t_dual / t_copy,
+            "block": t_block / t_copy,
+            "single_dim_-1": t_single / t_copy,
+            "single_dim_0": t_single0 / t_copy,
+        },
+        "speedup_vs_torchao": {
+            "dual": ratio(t_ao_dual, t_dual),
+            "single_dim_-1": ratio(t_ao_single, t_single),
+        },
+        "thread_speedup_dual": t_dual_1t / t_dual,
+        "matmul_shape": [mm, mm, mm],
+        "mx_matmul_over_bf16_matmul": t_mm_mx / t_mm_bf16,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m zrw.bench quant", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=4096, help="weight rows (out_features)")
+    p.add_argument("--k", type=int, default=4096, help="weight columns (in_features)")
+    p.add_argument("--mm", type=int, default=2048, help="M = N = K of the matmul comparison")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = p.parse_args(argv)
+    r = run(args.n, args.k, args.mm, args.repeat)
+    if args.json:
+        print(json.dumps(r))
+        return
+    ms, rc, sp = r["ms"], r["ratio_to_copy"], r["speedup_vs_torchao"]
+    print(f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} bf16 weight, "
+          f"{r['threads']} threads, kernel ISA {r['cpu_isa']}")
+    rows = [["copy_ (baseline)", ms["copy"], 1.0, "", ""]]
+    for key, label in [("dual", "dual-axis (mxfp8)"), ("block", "32x32 block"),
+                       ("single_dim_-1", "one axis, dim -1"), ("single_dim_0", "one axis, dim 0")]:
+        ao = {"dual": "torchao_to_mx_dual", "single_dim_-1": "torchao_to_mx_single"}.get(key)
+        rows.append([label, ms[key], rc[key], "" if ao is None or ms[ao] is None else ms[ao],
+                     "" if sp.get(key) is None else f"{sp[key]:.0f}x"])
+    print_table("", ["kernel", "ms", "x copy", "torchao ms", "zrw speed-up"], rows)
+    print(f"\n  dual-axis on 1 thread: {ms['dual_1_thread']:.3g} ms "
+          f"(speed-up from 1 to {r['threads']} threads: {r['thread_speedup_dual']:.2f}x)")
+    print(f"  mx_matmul {args.mm}^3: {ms['mx_matmul']:.4g} ms vs bf16 torch.matmul "
+          f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time")

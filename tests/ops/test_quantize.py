@@ -1,0 +1,732 @@
+"""zrw.ops.mx_quantize / mx_quantize_dual / mx_quantize_block against zrw.reference, byte for byte.
+
+Every comparison is on the raw bytes (``.view(torch.uint8)``, zero tolerance). The only bytes left
+out are the elements of blocks whose scale byte is 0xFF (a block holding NaN or +-Inf): DESIGN.md §3
+leaves them unspecified, so there only the scales are compared.
+
+Inputs are built per block along the blocking axis (``make_input``), so that the hard cases land
+where they matter: a block's amax mantissa above 1.75 (floor and rceil pick different scales), exact
+ties between fp8 neighbours after scaling, subnormal inputs and elements that become fp8
+subnormals, the format maxima, signed zeros, NaN and +-Inf.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from zrw import ops
+from zrw import reference as ref
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E8M0 = torch.float8_e8m0fnu
+NAN_BYTE = 0xFF
+BLOCK = 32
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ELEM_DTYPES = (E4M3, E5M2)
+SCALE_MODES = ("floor", "rceil")
+FORMATS = [(e, m) for e in ELEM_DTYPES for m in SCALE_MODES]
+
+# Largest finite input exponent per dtype that keeps randn * 2^k finite (|randn| < 8 = 2^3).
+MAX_SHIFT = {torch.bfloat16: 40, torch.float16: 12, torch.float32: 40}
+MIN_SHIFT = {torch.bfloat16: -40, torch.float16: -12, torch.float32: -40}
+
+
+def as_bytes(t):
+    return t.view(torch.uint8)
+
+
+def stable_seed(*parts):
+    """A seed from the test's parameters that is the same in every run (hash() is salted)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------------------------------
+# comparison
+
+
+def nan_block_mask(scale, shape, dim):
+    """Elements (of a tensor of ``shape`` blocked along ``dim``) whose block has scale byte 0xFF."""
+    dim = dim % len(shape)
+    per_element = (as_bytes(scale) == NAN_BYTE).repeat_interleave(BLOCK, dim=dim)
+    return per_element.narrow(dim, 0, shape[dim])
+
+
+def assert_same_quantization(got, expected, dim, what=""):
+    """(data, scale) pairs equal byte for byte, except the elements of 0xFF blocks."""
+    got_data, got_scale = got
+    exp_data, exp_scale = expected
+    assert got_data.shape == exp_data.shape, what
+    assert got_data.dtype == exp_data.dtype, what
+    assert got_scale.shape == exp_scale.shape, what
+    assert got_scale.dtype == E8M0, what
+    assert got_data.is_contiguous() and got_scale.is_contiguous(), what
+    scale_equal = torch.equal(as_bytes(got_scale), as_bytes(exp_scale))
+    assert scale_equal, f"{what}: scale bytes differ at {_first_mismatches(got_scale, exp_scale)}"
+    mask = nan_block_mask(exp_scale, exp_data.shape, dim)
+    got_bytes = as_bytes(got_data).masked_fill(mask, 0)
+    exp_bytes = as_bytes(exp_data).masked_fill(mask, 0)
+    assert torch.equal(got_bytes, exp_bytes), (
+        f"{what}: element bytes differ at {_first_mismatches(got_bytes, exp_bytes)}"
+    )
+
+
+def _first_mismatches(a, b, count=5):
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    where = (a != b).nonzero()[:count]
+    return [(tuple(i.tolist()), a[tuple(i)].item(), b[tuple(i)].item()) for i in where]
+
+
+def assert_block_quantization_equal(got, expected, shape, what=""):
+    """(data, block_scale) pairs equal byte for byte, except the elements of 0xFF tiles."""
+    got_data, got_scale = got
+    exp_data, exp_scale = expected
+    assert got_scale.shape == exp_scale.shape and got_scale.dtype == E8M0, what
+    assert torch.equal(as_bytes(got_scale), as_bytes(exp_scale)), (
+        f"{what}: block scale bytes differ at {_first_mismatches(got_scale, exp_scale)}"
+    )
+    fwd_scale = ref.expand_block_scale(exp_scale, shape, -1)
+    assert_same_quantization((got_data, fwd_scale), (exp_data, fwd_scale), -1, what)
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+
+
+def _fp8_positive_values(elem_dtype):
+    """Every finite non-negative value of the element format, ascending (float64)."""
+    values = torch.arange(0, 0x80, dtype=torch.uint8).view(elem_dtype).double()
+    return values[torch.isfinite(values)].sort().values
+
+
+def fp8_ties(elem_dtype):
+    """The midpoints between neighbouring non-negative fp8 values (subnormals included)."""
+    v = _fp8_positive_values(elem_dtype)
+    return (v[1:] + v[:-1]) / 2
+
+
+def _special_values(dtype):
+    finfo = torch.finfo(dtype)
+    smallest_subnormal = finfo.smallest_normal * finfo.eps  # 2^(emin - mantissa bits)
+    values = [
+        0.0, -0.0, 448.0, -448.0, finfo.max, -finfo.max, finfo.smallest_normal,
+        -finfo.smallest_normal, smallest_subnormal, -smallest_subnormal, 1.0, -1.0,
+    ]
+    if dtype != torch.float16:  # beyond fp16's range
+        values += [57344.0, -57344.0, torch.finfo(torch.bfloat16).max, 2.0**-127, 1.5 * 2.0**-127]
+    else:
+        values += [57344.0, -57344.0, 65504.0]
+    return values
+
+
+def make_input(kind, shape, dim, dtype, seed):
+    """An input of ``shape``/``dtype`` whose blocks along ``dim`` are of the given ``kind``.
+
+    Built as rows (R, D) with D = shape[dim], block by block, then moved back into place.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+    dim = dim % len(shape)
+    moved_shape = shape[:dim] + shape[dim + 1:] + (shape[dim],)
+    length = shape[dim]
+    rows = math.prod(moved_shape[:-1])
+    nblocks = -(-length // BLOCK)
+    lo, hi = MIN_SHIFT[dtype], MAX_SHIFT[dtype]
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    def randint(low, high, s):
+        return torch.randint(low, high + 1, s, generator=gen).double()
+
+    padded = torch.zeros(rows, nblocks * BLOCK, dtype=torch.float64)
+    blocks = padded.view(rows, nblocks, BLOCK)
+    if kind == "randn":
+        blocks.copy_(randn(rows, nblocks, BLOCK))
+    elif kind == "wide_elem":  # every element its own binade
+        blocks.copy_(randn(rows, nblocks, BLOCK) * torch.exp2(randint(lo, hi, (rows, nblocks, BLOCK))))
+    elif kind == "wide_block":  # one binade per block
+        blocks.copy_(randn(rows, nblocks, BLOCK) * torch.exp2(randint(lo, hi, (rows, nblocks, 1))))
+    elif kind == "amax_above_1_75":
+        # Each block's amax is m * 2^k with m in (1.75, 2), exactly representable in every input
+        # dtype (3 mantissa bits after 1.11): floor saturates it, rceil takes one more exponent.
+        blocks.copy_(randn(rows, nblocks, BLOCK).clamp(-1.7, 1.7))
+        mantissa = 1.75 + randint(1, 7, (rows, nblocks)) / 32
+        sign = torch.where(torch.rand(rows, nblocks, generator=gen) < 0.5, -1.0, 1.0)
+        where = torch.randint(0, BLOCK, (rows, nblocks, 1), generator=gen)
+        blocks.scatter_(-1, where, (sign * mantissa).unsqueeze(-1))
+        blocks.mul_(torch.exp2(randint(lo + 2, hi - 4, (rows, nblocks, 1))))
+    elif kind == "subnormal":
+        # Input-dtype subnormals: blocks made only of them (scale byte 0 for bf16/fp32), and
+        # blocks mixing them with normal values.
+        finfo = torch.finfo(dtype)
+        quantum = finfo.smallest_normal * finfo.eps
+        steps = round(1 / finfo.eps)  # subnormals are k * quantum, 0 < k < steps
+        sub = randint(-(steps - 1), steps - 1, (rows, nblocks, BLOCK)) * quantum
+        normal = randn(rows, nblocks, BLOCK) * finfo.smallest_normal * 2.0 ** randint(0, 10, (rows, nblocks, 1))
+        mixed = torch.rand(rows, nblocks, BLOCK, generator=gen) < 0.5
+        only_sub = (torch.arange(nblocks) % 2 == 0).view(1, nblocks, 1)
+        blocks.copy_(torch.where(only_sub | mixed, sub, normal))
+    elif kind == "fp8_subnormal":
+        # amax ~ 1 and the rest 2^-8 .. 2^-20 below it: after scaling they are fp8 subnormals
+        # (e4m3 below 2^-6, e5m2 below 2^-14) or round to zero.
+        small = randn(rows, nblocks, BLOCK) * torch.exp2(randint(-20, -8, (rows, nblocks, BLOCK)))
+        small[..., 0] = 1.0 + torch.rand(rows, nblocks, generator=gen).double()
+        blocks.copy_(small * torch.exp2(randint(max(lo, -10), min(hi, 10), (rows, nblocks, 1))))
+    elif kind == "specials":
+        # Format maxima, signed zeros, the input dtype's max, smallest normal and subnormal: one
+        # per block on top of small randn, and blocks made only of them.
+        special = torch.tensor(_special_values(dtype), dtype=torch.float64)
+        blocks.copy_(randn(rows, nblocks, BLOCK) * 2.0**-4)
+        pick = special[torch.randint(0, len(special), (rows, nblocks), generator=gen)]
+        where = torch.randint(0, BLOCK, (rows, nblocks, 1), generator=gen)
+        blocks.scatter_(-1, where, pick.unsqueeze(-1))
+        only = torch.rand(rows, nblocks, generator=gen) < 0.3
+        all_special = special[torch.randint(0, len(special), (rows, nblocks, BLOCK), generator=gen)]
+        blocks.copy_(torch.where(only.unsqueeze(-1), all_special, blocks))
+        blocks[..., :1, :] = torch.where(torch.arange(BLOCK) % 2 == 0, 0.0, -0.0)  # +-0 blocks
+    elif kind == "nonfinite":
+        blocks.copy_(randn(rows, nblocks, BLOCK))
+        choice = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 1.0])
+        pick = choice[torch.randint(0, len(choice), (rows, nblocks), generator=gen)].double()
+        where = torch.randint(0, BLOCK, (rows, nblocks, 1), generator=gen)
+        blocks.scatter_(-1, where, pick.unsqueeze(-1))
+    elif kind == "ties":
+        # Block 0 of a row: e4m3 ties, block 1: e5m2 ties, ... Each block holds the format max
+        # (so the scale is exactly 2^k after the block is multiplied by 2^k) and 31 midpoints
+        # between fp8 neighbours, signs random: rounding must pick the even neighbour.
+        fmt = [E4M3, E5M2]
+        shift_range = {
+            (torch.float16, E4M3): (-14, 7), (torch.float16, E5M2): (-7, 0),
+        }
+        for b in range(nblocks):
+            elem = fmt[b % 2]
+            ties = fp8_ties(elem)
+            pick = ties[torch.randint(0, len(ties), (rows, BLOCK), generator=gen)]
+            pick[:, 0] = ref.ELEM_MAX[elem]
+            sign = torch.where(torch.rand(rows, BLOCK, generator=gen) < 0.5, -1.0, 1.0)
+            k_lo, k_hi = shift_range.get((dtype, elem), (-60, 60))
+            blocks[:, b] = sign * pick * torch.exp2(randint(k_lo, k_hi, (rows, 1)))
+    else:
+        raise AssertionError(kind)
+
+    values = padded[:, :length].reshape(moved_shape).movedim(-1, dim)
+    x = values.to(dtype)
+    if kind == "ties":
+        # Ties are only ties if the cast to the input dtype was exact.
+        assert torch.equal(x.double(), values), f"ties not exact in {dtype}"
+    return x.contiguous()
+
+
+KINDS = [
+    "randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "fp8_subnormal",
+    "specials", "nonfinite", "ties",
+]
+
+# (shape, dim) for mx_quantize: unaligned, tiny, 3-D and 4-D, every spelling of dim.
+SHAPE_DIMS = [
+    ((1, 1), -1), ((1, 33), -1), ((33, 1), 0), ((100, 70), -1), ((100, 70), 0), ((31, 65), -1),
+    ((31, 65), -2), ((64,), 0), ((3, 40, 5), 1), ((3, 40, 5), 0), ((3, 40, 5), -1),
+    ((2, 3, 33, 7), 0), ((2, 3, 33, 7), 1), ((2, 3, 33, 7), -2), ((2, 3, 7, 33), -1),
+    ((4, 1100), -1), ((1100, 3), 0),
+]
+
+
+def _shape_id(sd):
+    shape, dim = sd
+    return "x".join(map(str, shape)) + f"-dim{dim}"
+
+
+# ------------------------------------------------------------------------------------------------
+# mx_quantize
+
+
+@pytest.mark.parametrize("shape_dim", SHAPE_DIMS, ids=_shape_id)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_matches_reference(kind, dtype, shape_dim):
+    shape, dim = shape_dim
+    x = make_input(kind, shape, dim, dtype, seed=stable_seed(kind, shape, dim, dtype))
+    for elem_dtype, scale_mode in FORMATS:
+        got = ops.mx_quantize(x, dim, elem_dtype, scale_mode)
+        expected = ref.mx_quantize(x, dim, elem_dtype, scale_mode)
+        assert_same_quantization(got, expected, dim, f"{elem_dtype} {scale_mode}")
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+def test_floor_and_rceil_differ_where_the_amax_mantissa_exceeds_1_75(dtype):
+    # The input really exercises the difference (checked on the reference), and the kernel
+    # follows both rules.
+    x = make_input("amax_above_1_75", (16, 96), -1, dtype, seed=1)
+    for elem_dtype in ELEM_DTYPES:
+        floor = ops.mx_quantize(x, -1, elem_dtype, "floor")
+        rceil = ops.mx_quantize(x, -1, elem_dtype, "rceil")
+        shift = as_bytes(rceil[1]).int() - as_bytes(floor[1]).int()
+        assert shift.eq(1).all()
+        assert_same_quantization(floor, ref.mx_quantize(x, -1, elem_dtype, "floor"), -1)
+        assert_same_quantization(rceil, ref.mx_quantize(x, -1, elem_dtype, "rceil"), -1)
+
+
+def test_ties_round_to_even_in_the_kernel():
+    # A hand-checked block: amax 448 (scale 2^0 in both modes, e4m3), then ties.
+    # 1.0625 -> 1.0 (even), 1.1875 -> 1.25, 3*2^-10 -> 2^-8 (subnormals), 2^-10 -> 0,
+    # 432 (between 416 and 448) -> 448, 232 (between 224 and 240) -> 224.
+    values = [448.0, 1.0625, 1.1875, 3 * 2**-10, 2**-10, -(2**-10), 432.0, 232.0, -1.0625]
+    x = torch.zeros(1, 32)
+    x[0, : len(values)] = torch.tensor(values)
+    for scale_mode in SCALE_MODES:
+        data, scale = ops.mx_quantize(x.to(torch.bfloat16), -1, E4M3, scale_mode)
+        assert as_bytes(scale).tolist() == [[127]]
+        got = data[0, : len(values)].double().tolist()
+        assert got == [448.0, 1.0, 1.25, 2**-8, 0.0, -0.0, 448.0, 224.0, -1.0]
+        assert math.copysign(1.0, got[5]) == -1.0  # -2^-10 rounds to -0, sign kept
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+def test_nonfinite_blocks_get_nan_scale_and_spare_their_neighbours(dtype):
+    x = torch.ones(3, 96, dtype=dtype)
+    x[0, 5] = math.nan
+    x[1, 40] = math.inf
+    x[2, 95] = -math.inf
+    for elem_dtype, scale_mode in FORMATS:
+        data, scale = ops.mx_quantize(x, -1, elem_dtype, scale_mode)
+        normal = 127 - ref.ELEM_EMAX[elem_dtype]
+        assert as_bytes(scale).tolist() == [
+            [NAN_BYTE, normal, normal], [normal, NAN_BYTE, normal], [normal, normal, NAN_BYTE],
+        ]
+        finite = ~nan_block_mask(scale, x.shape, -1)
+        assert data.double()[finite].eq(2.0 ** ref.ELEM_EMAX[elem_dtype]).all()
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+def test_signed_zero_blocks(dtype):
+    x = torch.zeros(2, 64, dtype=dtype)
+    x[1] = -0.0
+    x[0, 40] = -0.0
+    for elem_dtype, scale_mode in FORMATS:
+        data, scale = ops.mx_quantize(x, -1, elem_dtype, scale_mode)
+        assert as_bytes(scale).eq(0).all()
+        assert torch.equal(as_bytes(data), as_bytes(ref.mx_quantize(x, -1, elem_dtype, scale_mode)[0]))
+        assert as_bytes(data)[1].eq(0x80).all() and as_bytes(data)[0, 40].item() == 0x80
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+def test_format_and_dtype_maxima(dtype):
+    # Each value alone in its block, and alongside 1.0: the scale must never overflow E8M0.
+    finfo = torch.finfo(dtype)
+    values = [448.0, 57344.0, finfo.max]
+    if dtype != torch.float16:
+        values.append(torch.finfo(torch.bfloat16).max)
+    x = torch.zeros(2 * len(values), 32, dtype=torch.float64)
+    for i, v in enumerate(values):
+        x[2 * i, 0] = v
+        x[2 * i + 1, :2] = torch.tensor([-v, 1.0])
+    x = x.to(dtype)
+    for elem_dtype, scale_mode in FORMATS:
+        got = ops.mx_quantize(x, -1, elem_dtype, scale_mode)
+        assert as_bytes(got[1]).lt(NAN_BYTE).all()
+        assert_same_quantization(got, ref.mx_quantize(x, -1, elem_dtype, scale_mode), -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# non-contiguous inputs
+
+
+def _views(x):
+    """Strided views of a 2-D tensor: transposed, stepped slices, an offset, a broadcast."""
+    return {
+        "t": x.t(),
+        "step_rows": x[::2],
+        "step_cols": x[:, 1::3],
+        "step_both_t": x[1::2, ::3].t(),
+        "offset": x[3:, 5:],
+        "expand": x[:1].expand(7, -1),
+    }
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+def test_quantize_non_contiguous_inputs(dtype):
+    x = make_input("wide_block", (70, 100), -1, dtype, seed=3)
+    x[5, 7] = math.nan
+    for name, view in _views(x).items():
+        for dim in (0, 1, -1):
+            for elem_dtype, scale_mode in FORMATS:
+                what = f"{name} dim {dim} {elem_dtype} {scale_mode}"
+                got = ops.mx_quantize(view, dim, elem_dtype, scale_mode)
+                assert_same_quantization(
+                    got, ref.mx_quantize(view, dim, elem_dtype, scale_mode), dim, what
+                )
+                contiguous = ops.mx_quantize(view.contiguous(), dim, elem_dtype, scale_mode)
+                assert torch.equal(as_bytes(got[0]), as_bytes(contiguous[0])), what
+                assert torch.equal(as_bytes(got[1]), as_bytes(contiguous[1])), what
+
+
+def test_quantize_non_contiguous_3d_and_4d():
+    x = make_input("wide_elem", (3, 40, 50, 2), -1, torch.bfloat16, seed=4)
+    views = [x.permute(2, 0, 3, 1), x[:, ::3, 1::2], x.transpose(1, 2)[..., 0]]
+    for view in views:
+        for dim in range(-view.dim(), view.dim()):
+            got = ops.mx_quantize(view, dim, E4M3, "rceil")
+            assert_same_quantization(got, ref.mx_quantize(view, dim, E4M3, "rceil"), dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# mx_quantize_dual
+
+
+WEIGHT_SHAPES = [
+    (1, 1), (1, 33), (33, 1), (100, 70), (31, 65), (64, 96), (40, 1100), (3, 40, 70),
+    (2, 33, 65), (2, 70, 530), (1, 1, 1),
+]
+DUAL_KINDS = ["randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "specials",
+              "nonfinite", "ties"]
+
+
+def _weight_id(shape):
+    return "x".join(map(str, shape))
+
+
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES, ids=_weight_id)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kind", DUAL_KINDS)
+def test_dual_matches_reference_and_single_axis(kind, dtype, shape):
+    # Blocks built along K for half the kinds' hard cases, along N for the other half.
+    dim = -1 if DUAL_KINDS.index(kind) % 2 else -2
+    w = make_input(kind, shape, dim, dtype, seed=stable_seed(kind, shape, dtype))
+    for elem_dtype, scale_mode in FORMATS:
+        what = f"{elem_dtype} {scale_mode}"
+        data_fwd, scale_fwd, data_bwd, scale_bwd = ops.mx_quantize_dual(w, elem_dtype, scale_mode)
+        exp = ref.mx_quantize_dual(w, elem_dtype, scale_mode)
+        assert_same_quantization((data_fwd, scale_fwd), exp[:2], -1, "fwd " + what)
+        assert_same_quantization((data_bwd, scale_bwd), exp[2:], -2, "bwd " + what)
+        # Byte for byte the two single-axis kernels, 0xFF blocks included.
+        for (data, scale), d in (((data_fwd, scale_fwd), -1), ((data_bwd, scale_bwd), -2)):
+            single_data, single_scale = ops.mx_quantize(w, d, elem_dtype, scale_mode)
+            assert torch.equal(as_bytes(data), as_bytes(single_data)), f"dim {d} {what}"
+            assert torch.equal(as_bytes(scale), as_bytes(single_scale)), f"dim {d} {what}"
+
+
+def test_dual_non_contiguous_weights():
+    w = make_input("wide_elem", (2, 70, 100), -1, torch.bfloat16, seed=5)
+    for view in (w.transpose(-1, -2), w[:, ::2, 1::3], w[1], w[0].t(), w.permute(1, 0, 2)):
+        for elem_dtype, scale_mode in FORMATS:
+            got = ops.mx_quantize_dual(view, elem_dtype, scale_mode)
+            exp = ref.mx_quantize_dual(view, elem_dtype, scale_mode)
+            assert_same_quantization(got[:2], exp[:2], -1)
+            assert_same_quantization(got[2:], exp[2:], -2)
+
+
+# ------------------------------------------------------------------------------------------------
+# mx_quantize_block
+
+
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES, ids=_weight_id)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kind", DUAL_KINDS)
+def test_block_matches_reference(kind, dtype, shape):
+    dim = -1 if DUAL_KINDS.index(kind) % 2 else -2
+    w = make_input(kind, shape, dim, dtype, seed=stable_seed(kind, shape, dtype, "block"))
+    for elem_dtype, scale_mode in FORMATS:
+        what = f"{elem_dtype} {scale_mode}"
+        data, block_scale = ops.mx_quantize_block(w, elem_dtype, scale_mode)
+        exp = ref.mx_quantize_block(w, elem_dtype, scale_mode)
+        assert data.dtype == elem_dtype and data.shape == w.shape, what
+        assert block_scale.shape == (*shape[:-2], -(-shape[-2] // 32), -(-shape[-1] // 32)), what
+        assert_block_quantization_equal((data, block_scale), exp, shape, what)
+
+
+@pytest.mark.parametrize("shape", [(70, 100), (3, 33, 65), (1, 1), (64, 64)], ids=_weight_id)
+@pytest.mark.parametrize("scale_mode", SCALE_MODES)
+@pytest.mark.parametrize("elem_dtype", ELEM_DTYPES, ids=dtype_id)
+def test_block_one_scale_per_tile_serves_both_axes(shape, elem_dtype, scale_mode):
+    # Every 1x32 and 32x1 block inside a tile has the tile's scale: the per-axis scales from
+    # expand_block_scale dequantize the one data tensor to the reference's values along either
+    # axis, and the wrapper's expansion equals the reference's.
+    w = make_input("wide_block", shape, -1, torch.bfloat16, seed=6)
+    data, block_scale = ops.mx_quantize_block(w, elem_dtype, scale_mode)
+    ref_data, ref_block_scale = ref.mx_quantize_block(w, elem_dtype, scale_mode)
+    for dim in (-1, -2):
+        scale = ops.expand_block_scale(block_scale, w.shape, dim)
+        ref_scale = ref.expand_block_scale(ref_block_scale, w.shape, dim)
+        assert torch.equal(as_bytes(scale), as_bytes(ref_scale))
+        got = ops.mx_dequantize(data, scale, dim, torch.float32)
+        expected = ref.mx_dequantize(ref_data, ref_scale, dim, torch.float32)
+        assert torch.equal(got, expected)
+    # Both expansions describe the same values.
+    fwd = ops.mx_dequantize(data, ops.expand_block_scale(block_scale, w.shape, -1), -1, torch.float32)
+    bwd = ops.mx_dequantize(data, ops.expand_block_scale(block_scale, w.shape, -2), -2, torch.float32)
+    assert torch.equal(fwd, bwd)
+
+
+def test_block_nonfinite_tile_only():
+    w = torch.ones(2, 64, 70)
+    w[1, 40, 10] = math.inf
+    w[0, 0, 69] = math.nan
+    data, block_scale = ops.mx_quantize_block(w)
+    assert as_bytes(block_scale).tolist() == [
+        [[119, 119, NAN_BYTE], [119, 119, 119]], [[119, 119, 119], [NAN_BYTE, 119, 119]],
+    ]
+    assert_block_quantization_equal((data, block_scale), ref.mx_quantize_block(w), w.shape)
+
+
+def test_block_non_contiguous_weights():
+    w = make_input("wide_elem", (2, 70, 100), -1, torch.float32, seed=7)
+    for view in (w.transpose(-1, -2), w[:, ::2, 1::3], w[0].t()):
+        for elem_dtype, scale_mode in FORMATS:
+            got = ops.mx_quantize_block(view, elem_dtype, scale_mode)
+            exp = ref.mx_quantize_block(view, elem_dtype, scale_mode)
+            assert_block_quantization_equal(got, exp, view.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# empty tensors
+
+
+@pytest.mark.parametrize(
+    "shape, dim", [((0,), 0), ((0, 64), -1), ((0, 64), 0), ((4, 0), -1), ((4, 0), 0),
+                   ((2, 0, 5), 1), ((2, 0, 5), -1), ((0, 0), 0)],
+)
+def test_quantize_empty(shape, dim):
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    data, scale = ops.mx_quantize(x, dim)
+    exp_data, exp_scale = ref.mx_quantize(x, dim)
+    assert data.shape == exp_data.shape == x.shape and data.dtype == E4M3
+    assert scale.shape == exp_scale.shape and scale.dtype == E8M0
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0), (0, 0), (0, 3, 5), (2, 0, 40), (2, 40, 0)])
+def test_dual_and_block_empty(shape):
+    w = torch.empty(shape, dtype=torch.bfloat16)
+    got = ops.mx_quantize_dual(w)
+    exp = ref.mx_quantize_dual(w)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in exp]
+    got = ops.mx_quantize_block(w)
+    exp = ref.mx_quantize_block(w)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in exp]
+
+
+# ------------------------------------------------------------------------------------------------
+# properties (hypothesis)
+
+
+formats = st.sampled_from(FORMATS)
+input_dtypes = st.sampled_from(INPUT_DTYPES)
+
+
+@st.composite
+def quantize_cases(draw, max_shift=None):
+    """(x, dim, elem_dtype, scale_mode): a random 1-3-D finite tensor with a wide exponent range."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 70), min_size=ndim, max_size=ndim)))
+    dim = draw(st.integers(-ndim, ndim - 1))
+    dtype = draw(input_dtypes)
+    kind = draw(st.sampled_from(["randn", "wide_elem", "wide_block", "amax_above_1_75", "ties"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    x = make_input(kind, shape, dim, dtype, seed)
+    elem_dtype, scale_mode = draw(formats)
+    return x, dim, elem_dtype, scale_mode
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    values=st.lists(st.floats(width=32), min_size=1, max_size=140),
+    rows=st.integers(1, 3),
+    dtype=input_dtypes,
+    fmt=formats,
+)
+def test_quantize_matches_reference_on_arbitrary_floats(values, rows, dtype, fmt):
+    # Any fp32 bit pattern hypothesis likes (NaN, Inf, subnormals, extremes), cast to the dtype.
+    elem_dtype, scale_mode = fmt
+    x = torch.tensor(values * rows, dtype=torch.float32).view(rows, -1).to(dtype)
+    for dim in (-1, 0):
+        got = ops.mx_quantize(x, dim, elem_dtype, scale_mode)
+        assert_same_quantization(got, ref.mx_quantize(x, dim, elem_dtype, scale_mode), dim)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=quantize_cases())
+def test_scales_are_powers_of_two(case):
+    x, dim, elem_dtype, scale_mode = case
+    _, scale = ops.mx_quantize(x, dim, elem_dtype, scale_mode)
+    values = scale.to(torch.float64)
+    byte = as_bytes(scale).long()
+    assert torch.isfinite(values).all()  # finite input never gets the NaN byte
+    mantissa, exponent = torch.frexp(values)
+    assert mantissa.eq(0.5).all()
+    assert torch.equal(exponent.long() - 1, byte - 127)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=quantize_cases(), k=st.integers(-6, 6))
+def test_power_of_two_rescale_shifts_scales_and_keeps_elements(case, k):
+    x, dim, elem_dtype, scale_mode = case
+    data, scale = ops.mx_quantize(x, dim, elem_dtype, scale_mode)
+    byte = as_bytes(scale).int()
+    shifted = x * 2.0**k
+    # Stay where the property holds: x * 2^k exact in the input dtype (no overflow, no bits lost
+    # in subnormals) and every non-zero scale byte still in [1, 254] after the shift (no clamp).
+    assume(torch.equal(shifted.double(), x.double() * 2.0**k))
+    nonzero = byte != 0
+    assume(((byte + k >= 1) & (byte + k <= 254) | ~nonzero).all())
+    data_k, scale_k = ops.mx_quantize(shifted, dim, elem_dtype, scale_mode)
+    assert torch.equal(as_bytes(data_k), as_bytes(data))
+    assert torch.equal(as_bytes(scale_k).int(), torch.where(nonzero, byte + k, byte))
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=quantize_cases())
+def test_quantize_of_dequantize_is_idempotent(case):
+    # floor: the same bytes; rceil: the same values (a block may take a smaller scale).
+    x, dim, elem_dtype, scale_mode = case
+    data, scale = ops.mx_quantize(x, dim, elem_dtype, scale_mode)
+    restored = ops.mx_dequantize(data, scale, dim, torch.float32)
+    again_data, again_scale = ops.mx_quantize(restored, dim, elem_dtype, scale_mode)
+    if scale_mode == "floor":
+        assert torch.equal(as_bytes(again_data), as_bytes(data))
+        assert torch.equal(as_bytes(again_scale), as_bytes(scale))
+    again = ops.mx_dequantize(again_data, again_scale, dim, torch.float32)
+    assert torch.equal(again, restored)
+
+
+# ------------------------------------------------------------------------------------------------
+# every CPU kernel build (ZRW_CPU_ISA), each in its own process
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+ISA_REQUIREMENTS = {
+    "base": set(),
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl"},
+}
+
+# Compared in the child: several shapes (aligned, unaligned, K past the kernel's 512-column
+# chunk), every input dtype, element format and scale mode, the three quantize ops, on inputs
+# with a wide exponent range, amax mantissas above 1.75, ties, subnormals and specials.
+ISA_SCRIPT = textwrap.dedent(
+    """
+    import math, sys
+    import torch
+    import zrw
+    from zrw import ops, reference as ref
+
+    def b(t):
+        return t.view(torch.uint8)
+
+    def masked(data, scale, dim):
+        mask = (b(scale) == 0xFF).repeat_interleave(32, dim=dim).narrow(dim, 0, data.shape[dim])
+        return b(data).masked_fill(mask, 0)
+
+    def same(got, exp, dim):
+        return (torch.equal(b(got[1]), b(exp[1]))
+                and torch.equal(masked(got[0], exp[1], dim), masked(exp[0], exp[1], dim)))
+
+    gen = torch.Generator().manual_seed(0)
+    failures = []
+    shapes = [(1, 1), (1, 33), (33, 1), (31, 65), (100, 70), (64, 64), (3, 40, 70), (5, 1100)]
+    for shape in shapes:
+        base = torch.randn(shape, generator=gen, dtype=torch.float64)
+        base = base * torch.exp2(torch.randint(-30, 31, shape, generator=gen).double())
+        flat = base.view(-1)
+        flat[::37] = 1.875 * 2.0 ** 7                      # amax mantissa above 1.75
+        flat[1::41] = 1.0625                               # an e4m3 tie
+        flat[2::43] = 3 * 2.0 ** -10                       # a subnormal tie
+        flat[3::47] = -0.0
+        flat[4::53] = 448.0
+        flat[5::59] = 57344.0
+        flat[6::61] = 2.0 ** -130                          # bf16/fp32 subnormal
+        flat[7::211] = math.nan
+        flat[8::223] = -math.inf
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = base.clamp(-60000, 60000).to(dtype) if dtype == torch.float16 else base.to(dtype)
+            for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for mode in ("floor", "rceil"):
+                    tag = (shape, str(dtype), str(elem), mode)
+                    for dim in range(-x.dim(), x.dim()):
+                        if not same(ops.mx_quantize(x, dim, elem, mode),
+                                    ref.mx_quantize(x, dim, elem, mode), dim):
+                            failures.append(("mx_quantize", dim) + tag)
+                    if x.dim() < 2:
+                        continue
+                    got = ops.mx_quantize_dual(x, elem, mode)
+                    exp = ref.mx_quantize_dual(x, elem, mode)
+                    if not (same(got[:2], exp[:2], -1) and same(got[2:], exp[2:], -2)):
+                        failures.append(("mx_quantize_dual",) + tag)
+                    got = ops.mx_quantize_block(x, elem, mode)
+                    exp = ref.mx_quantize_block(x, elem, mode)
+                    fwd = ref.expand_block_scale(exp[1], x.shape, -1)
+                    if not (torch.equal(b(got[1]), b(exp[1]))
+                            and same((got[0], fwd), (exp[0], fwd), -1)):
+                        failures.append(("mx_quantize_block",) + tag)
+    if failures:
+        print(len(failures), "mismatches, first:", *failures[:10], sep="\\n")
+        sys.exit(1)
+    print("ok")
+    """
+)
+
+
+def _run_child(script, isa):
+    env = dict(os.environ, ZRW_CPU_ISA=isa, OMP_NUM_THREADS="2")
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("isa", list(ISA_REQUIREMENTS))
+def test_every_cpu_kernel_build_matches_reference(isa):
+    missing = ISA_REQUIREMENTS[isa] - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)} for ZRW_CPU_ISA={isa}")
+    result = _run_child(ISA_SCRIPT, isa)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_unavailable_or_unknown_cpu_kernel_build_raises():
+    # ZRW_CPU_ISA naming a build this CPU cannot run, or no build at all, is a RuntimeError at
+    # first use that names the request, never a crash (SIGILL) or a silent fallback.
+    script = textwrap.dedent(
+        """
+        import sys, torch, zrw
+        try:
+            zrw.ops.mx_quantize(torch.ones(2, 32))
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+            sys.exit(0)
+        print("no error")
+        sys.exit(3)
+        """
+    )
+    result = _run_child(script, "sse9000")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'ZRW_CPU_ISA must be one of the kernels built into zrw' in result.stdout
+    assert '"sse9000"' in result.stdout
+    lacking = [isa for isa, need in ISA_REQUIREMENTS.items() if need - _cpu_flags()]
+    for isa in lacking:
+        result = _run_child(script, isa)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"ZRW_CPU_ISA={isa} was requested but this CPU does not support it" in result.stdout
