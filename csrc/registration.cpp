@@ -17,4 +17,19 @@ TORCH_LIBRARY(zrw, m) {
   m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
         " -> Tensor",
         {at::Tag::pt2_compliant_tag});
+
+  // The native weight cache (DESIGN.md §5). Stateful and eager-only: they run from layers' and
+  // optimizer hooks outside compiled regions. quant_and_release returns, for "mxfp8",
+  // [data_fwd, scale_fwd, data_bwd, scale_bwd]; for "mxfp8-32x32",
+  // [data, scale_fwd, data, scale_bwd, block_scale] (one data tensor for both directions).
+  m.def("quant_and_release(Tensor w, str recipe, bool release, bool release_frozen,"
+        " ScalarType elem_dtype, str scale_mode, str name) -> Tensor[]");
+  m.def("restore(Tensor w, str fill) -> bool");
+  m.def("restore_all(str fill) -> int");
+  m.def("cache_invalidate(Tensor w, str fill) -> bool");
+  m.def("cache_clear(str fill) -> ()");
+  m.def("next_step() -> ()");
+  m.def("cache_stats() -> (str[], int[])");
+  m.def("cache_entries() -> (str[], str[], int[], int[], int[])");
+  m.def("cache_state(Tensor w) -> int");
 }
