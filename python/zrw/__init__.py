@@ -18,5 +18,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTensor)
 from . import config, ops, reference  # noqa: E402,F401
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
+from .ops import MXWeight, no_release  # noqa: E402,F401
+from . import memory, optim  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -59,3 +59,24 @@ def _(data, scale, dim, out_dtype):
 @torch.library.register_fake("zrw::mx_matmul")
 def _(a, a_scale, b, b_scale, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("zrw::quant_and_release")
+def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name):
+    nd = w.dim()
+    if recipe == "mxfp8":
+        return [
+            w.new_empty(w.shape, dtype=elem_dtype),
+            w.new_empty(_scale_shape(w.shape, nd - 1), dtype=torch.float8_e8m0fnu),
+            w.new_empty(w.shape, dtype=elem_dtype),
+            w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
+        ]
+    data = w.new_empty(w.shape, dtype=elem_dtype)
+    bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
+    return [
+        data,
+        w.new_empty(_scale_shape(w.shape, nd - 1), dtype=torch.float8_e8m0fnu),
+        data,
+        w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
+        w.new_empty(bshape, dtype=torch.float8_e8m0fnu),
+    ]

@@ -98,3 +98,219 @@ def mx_matmul(
     accumulation; a hardware MX GEMM where the backend has one.
     """
     return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The native weight cache (DESIGN.md §5). These are stateful, eager-only ops: they run from
+# layers and optimizer hooks, never inside a compiled graph (dynamo is told to skip them).
+
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Dict, Iterator, List, Optional  # noqa: E402
+
+RECIPES = ("mxfp8", "mxfp8-32x32")
+FILLS = ("empty", "zeros", "dequant", "master")
+
+_release_state = threading.local()
+
+
+@contextlib.contextmanager
+def no_release() -> Iterator[None]:
+    """Within this block quant_and_release caches FP8 copies but never releases a BF16 storage.
+
+    For code that never reaches an optimizer step (an eval pass, a reference model): nothing
+    would restore what it released. `torch.no_grad()` has the same effect.
+    """
+    prev = getattr(_release_state, "disabled", 0)
+    _release_state.disabled = prev + 1
+    try:
+        yield
+    finally:
+        _release_state.disabled = prev
+
+
+def release_enabled() -> bool:
+    """False inside zrw.no_release()."""
+    return getattr(_release_state, "disabled", 0) == 0
+
+
+@dataclass(frozen=True)
+class MXPlane:
+    """One GEMM direction's operand: fp8 data and its e8m0 scale (blocks of 32 along one axis)."""
+
+    data: Tensor
+    scale: Tensor
+
+    def __iter__(self):
+        return iter((self.data, self.scale))
+
+
+@dataclass(frozen=True)
+class MXWeight:
+    """The cached MXFP8 copy of one weight W (N, K) or (E, N, K).
+
+    fwd: data (.., N, K) blocked along K with scale (.., N, ceil(K/32)) — the forward GEMM's
+    operand. bwd: data (.., N, K) blocked along N with scale (.., ceil(N/32), K) — dgrad uses
+    bwd.data.t(). For "mxfp8-32x32", fwd.data is bwd.data (one FP8 tensor) and block_scale
+    (.., ceil(N/32), ceil(K/32)) is set; fwd/bwd scales are its row/column expansions.
+    """
+
+    recipe: str
+    fwd: MXPlane
+    bwd: MXPlane
+    block_scale: Optional[Tensor] = None
+
+    @staticmethod
+    def from_tensors(recipe: str, tensors: List[Tensor]) -> "MXWeight":
+        if recipe == "mxfp8":
+            df, sf, db, sb = tensors
+            return MXWeight(recipe, MXPlane(df, sf), MXPlane(db, sb))
+        data, sf, data_b, sb, block = tensors
+        return MXWeight(recipe, MXPlane(data, sf), MXPlane(data_b, sb), block)
+
+
+@torch._dynamo.disable
+def quant_and_release(
+    w: Tensor,
+    recipe: str = "mxfp8",
+    release: bool = True,
+    *,
+    release_frozen: bool = False,
+    elem_dtype: torch.dtype = E4M3,
+    scale_mode: str = "floor",
+    name: str = "",
+) -> MXWeight:
+    """The fused op of zero-redundancy weights: cache lookup; on a miss quantize, insert, release.
+
+    On the first call in a step, w (N, K) or (E, N, K) is quantized ("mxfp8": both 1x32 planes
+    from one read; "mxfp8-32x32": one copy with 32x32 tiles) and filed in the native cache; its
+    storage is released (freed and poisoned) when the guard allows: a leaf that requires grad,
+    under grad mode, outside zrw.no_release(), whose storage it alone owns and fills exactly.
+    Frozen weights (requires_grad=False) are released only with release_frozen=True, and then
+    stay FP8-only for good. Later calls in the same step return the cached tensors without
+    touching w. `name` appears in the error raised by any access to the released weight.
+    """
+    release = release and release_enabled()
+    tensors = torch.ops.zrw.quant_and_release(
+        w, recipe, release, release_frozen, elem_dtype, scale_mode, name
+    )
+    return MXWeight.from_tensors(recipe, tensors)
+
+
+def _check_fill(op: str, fill: str) -> None:
+    if fill not in FILLS:
+        raise ValueError(f"{op}: fill must be one of {FILLS}, got {fill!r}")
+
+
+# Masters registered by zrw.optim.MasterWeights: weight -> its FP32 master (weakly keyed).
+_masters: "weakref.WeakKeyDictionary[Tensor, Tensor]"
+import weakref  # noqa: E402
+
+_masters = weakref.WeakKeyDictionary()
+
+
+def register_master(weight: Tensor, master: Tensor) -> None:
+    """Record the FP32 master of `weight` so that fill="master" can restore it exactly."""
+    _masters[weight] = master
+
+
+def _fill_from_master(w: Tensor, op: str) -> None:
+    master = _masters.get(w)
+    if master is None:
+        raise ValueError(
+            f"{op}: fill='master' needs the weight's FP32 master, but this weight (shape "
+            f"{tuple(w.shape)}) has none: wrap the optimizer in zrw.optim.MasterWeights, or use "
+            "fill='dequant' (lossy)"
+        )
+    with torch.no_grad():
+        w.copy_(master)
+
+
+@torch._dynamo.disable
+def restore(w: Tensor, fill: str = "master") -> bool:
+    """Bring back one released weight's BF16 storage (original byte count) and drop its entry.
+
+    fill: "master" (bf16 of the MasterWeights FP32 master — exactly what the optimizer would
+    write; for a mid-step checkpoint or eval), "dequant" (from the FP8 copy; lossy), "zeros", or
+    "empty" (uninitialized; only when something overwrites it next). Returns False, doing
+    nothing, for a weight that is not released (never was, or already restored).
+    """
+    _check_fill("zrw.ops.restore", fill)
+    if fill == "master":
+        if torch.ops.zrw.cache_state(w) != 2:
+            return False
+        master = _masters.get(w)
+        if master is None:
+            _fill_from_master(w, "zrw.ops.restore")  # raises the explanatory error
+        torch.ops.zrw.restore(w, "empty")
+        _fill_from_master(w, "zrw.ops.restore")
+        return True
+    return torch.ops.zrw.restore(w, fill)
+
+
+@torch._dynamo.disable
+def restore_all(fill: str = "empty") -> int:
+    """The optimizer boundary: drop every FP8 entry and restore every released BF16 storage.
+
+    Entries of frozen weights released with release_frozen survive. With fill="master" the
+    weights known to MasterWeights get their masters' values; any other released weight is
+    restored by dequantization. Returns the number of weights restored.
+    """
+    _check_fill("zrw.ops.restore_all", fill)
+    if fill != "master":
+        return torch.ops.zrw.restore_all(fill)
+    n = 0
+    for w in list(_masters.keys()):
+        n += bool(restore(w, "master"))
+    return n + torch.ops.zrw.restore_all("dequant")
+
+
+def is_released(w: Tensor) -> bool:
+    """Whether w's BF16 storage is currently released by zrw."""
+    return torch.ops.zrw.cache_state(w) == 2
+
+
+def is_cached(w: Tensor) -> bool:
+    """Whether the cache holds an FP8 copy of w."""
+    return torch.ops.zrw.cache_state(w) != 0
+
+
+def next_step() -> None:
+    """Start a new optimizer step: every trainable weight is re-quantized at its next use."""
+    torch.ops.zrw.next_step()
+
+
+def cache_clear(fill: str = "dequant") -> None:
+    """Drop every entry; released weights are restored first (default by dequantization, the
+    only source left for a frozen weight — lossy), so no weight loses its only copy."""
+    _check_fill("zrw.ops.cache_clear", fill)
+    if fill == "master":
+        restore_all("master")
+        fill = "dequant"
+    torch.ops.zrw.cache_clear(fill)
+
+
+def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
+    """Drop w's entry (restoring it first with `fill` if released). False if w had none."""
+    _check_fill("zrw.ops.cache_invalidate", fill)
+    if fill == "master":
+        restored = restore(w, "master")
+        return torch.ops.zrw.cache_invalidate(w, "dequant") or restored
+    return torch.ops.zrw.cache_invalidate(w, fill)
+
+
+def cache_stats() -> Dict[str, int]:
+    """entries, fp8_bytes (held), released / released_bytes (BF16 bytes currently freed), frozen,
+    hits, misses, step, and skip_<reason> counts: release_false, no_grad, non_leaf, frozen,
+    flat_buffer (storage larger than the tensor or at an offset), aliased (storage shared)."""
+    names, values = torch.ops.zrw.cache_stats()
+    return dict(zip(names, values))
+
+
+def cache_entries() -> List[Dict[str, object]]:
+    """One dict per entry: name, status ("released" or the skip reason), hits, misses,
+    storage_bytes."""
+    cols = torch.ops.zrw.cache_entries()
+    keys = ("name", "status", "hits", "misses", "storage_bytes")
+    return [dict(zip(keys, row)) for row in zip(*cols)]
