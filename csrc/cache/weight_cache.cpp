@@ -338,8 +338,12 @@ class WeightCache {
       return kSkipFlatBuffer;
     }
     // Another tensor shares the storage (e.g. nn.Parameter(t) while t lives): freeing it would
-    // pull the data from under that tensor too.
-    if (w.storage().use_count() > 1) return kSkipAliased;
+    // pull the data from under that tensor too. The Python storage object, once something has
+    // called untyped_storage() (Hugging Face's init does), holds one reference of its own; it is
+    // not another tensor, and reading through it after release raises the poison error.
+    const c10::StorageImpl* s = w.storage().unsafeGetStorageImpl();
+    const size_t python_ref = s->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
+    if (w.storage().use_count() > 1 + python_ref) return kSkipAliased;
     return kReleased;
   }
 

@@ -19,6 +19,7 @@ from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTe
 from . import config, ops, reference  # noqa: E402,F401
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .ops import MXWeight, no_release  # noqa: E402,F401
-from . import memory, optim  # noqa: E402,F401
+from . import memory, nn, optim  # noqa: E402,F401
+from .nn import convert  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""zrw.convert: swap a model's linear layers and fused MoE experts for their MXFP8 versions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ..config import QuantRecipe, get_recipe
+from .grouped import MXFusedExperts, is_fused_experts
+from .linear import MXLinear
+
+DEFAULT_SKIP = ("lm_head", "embed", "wte", "wpe")
+
+
+@dataclass
+class ConvertSummary:
+    """What convert() did. `release_bytes` are the BF16 bytes the converted weights will release
+    at their first use in a training step (the guard also checks aliasing at run time)."""
+
+    recipe: str
+    converted: List[str] = field(default_factory=list)
+    parameters: int = 0
+    release_bytes: int = 0
+    released_weights: List[str] = field(default_factory=list)
+    skipped: Dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"zrw.convert ({self.recipe}): {len(self.converted)} modules converted, "
+                 f"{self.parameters} weights, {self.release_bytes / 2**20:.2f} MiB of BF16 "
+                 f"weights released per step"]
+        for name, why in self.skipped.items():
+            lines.append(f"  kept {name}: {why}")
+        return "\n".join(lines)
+
+
+def _tied_weights(model: nn.Module) -> Dict[int, List[str]]:
+    """Parameters held by more than one module (by identity), with the modules' names."""
+    owners: Dict[int, List[str]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    return {k: v for k, v in owners.items() if len(set(v)) > 1}
+
+
+def _releasable(p: torch.Tensor) -> bool:
+    return (p.requires_grad and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+
+
+def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool = True,
+            skip: Optional[Iterable[str]] = None, release_frozen: bool = False,
+            main_grad: bool = False) -> ConvertSummary:
+    """Replace, in place, every nn.Linear and every fused-experts module (Hugging Face's
+    3-D gate_up_proj / down_proj layout) whose qualified name contains none of `skip`
+    (default: lm_head and embeddings stay in high precision).
+
+    The parameters are kept (the same objects: optimizers that hold them still work, and the
+    state_dict keys do not change). A weight shared by several modules (tied weights, found by
+    identity) is converted with release=False and never released. Returns a ConvertSummary.
+    """
+    rcp = get_recipe(recipe)
+    skip = tuple(DEFAULT_SKIP if skip is None else skip)
+    summary = ConvertSummary(recipe=rcp.name)
+    tied = _tied_weights(model)
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for cname, child in list(parent.named_children()):
+            name = f"{prefix}.{cname}" if prefix else cname
+            if isinstance(child, (MXLinear, MXFusedExperts)):
+                summary.skipped[name] = "already converted"
+                continue
+            is_linear = type(child) is nn.Linear
+            is_experts = not is_linear and is_fused_experts(child)
+            if not (is_linear or is_experts):
+                visit(child, name)
+                continue
+            hit = next((s for s in skip if s in name), None)
+            if hit is not None:
+                summary.skipped[name] = f"skipped (name matches {hit!r})"
+                continue
+            weights = ([("weight", child.weight)] if is_linear else
+                       [("gate_up_proj", child.gate_up_proj), ("down_proj", child.down_proj)])
+            shared = [w for _, w in weights if id(w) in tied]
+            layer_release = release and not shared
+            if shared:
+                summary.skipped[name] = ("converted, never released: tied weight shared with "
+                                         + ", ".join(tied[id(shared[0])]))
+            if is_linear:
+                new = MXLinear.from_linear(child, rcp, layer_release, release_frozen, main_grad,
+                                           name=f"{name}.weight")
+            else:
+                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name)
+            setattr(parent, cname, new)
+            summary.converted.append(name)
+            for pname, w in weights:
+                summary.parameters += 1
+                if layer_release and (_releasable(w) or (release_frozen and not w.requires_grad
+                                                         and w.storage_offset() == 0)):
+                    summary.release_bytes += w.numel() * w.element_size()
+                    summary.released_weights.append(f"{name}.{pname}")
+
+    visit(model, "")
+    return summary

@@ -1,0 +1,132 @@
+"""MXLinear: nn.Linear whose GEMMs run on MXFP8 operands, with the weight from the native cache.
+
+Numerics (DESIGN.md §6), for x (M, K), W (N, K), dy (M, N):
+  forward  y  = mx_matmul(Q_K(x), W_fwd)                 x blocked along K, W_fwd along K
+  dgrad    dx = mx_matmul(Q_N(dy), W_bwd.t())            dy along N, W_bwd along N
+  wgrad    dW = mx_matmul(Q_M(dy).t(), Q_M(x).t())       both along M (tokens)
+all with FP32 accumulation. The weight planes come from zrw.ops.quant_and_release, called in the
+module's forward (under the caller's grad mode, which the release guard reads) — never from a
+BF16 weight saved for backward. The activation is quantized along both axes in one read
+(mx_quantize_dual); the function saves its FP8 M-plane, not the BF16 activation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..config import QuantRecipe, get_recipe
+
+
+def cache_recipe(recipe: QuantRecipe) -> str:
+    """The native cache's weight layout for a recipe: one 32x32 copy or two 1x32 planes."""
+    return "mxfp8-32x32" if recipe.block_32x32 else "mxfp8"
+
+
+class _MXLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d: Tensor, weight: Tensor, bias: Optional[Tensor], w_fwd: Tensor,
+                w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
+                scale_mode: str, main_grad: bool):
+        qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
+        y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(qx_m, sx_m, w_bwd, w_bwd_scale)
+        ctx.weight = weight if main_grad else None
+        ctx.has_bias = bias is not None
+        ctx.elem_dtype, ctx.scale_mode, ctx.main_grad = elem_dtype, scale_mode, main_grad
+        ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
+        ctx.w_requires_grad = weight.requires_grad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        qx_m, sx_m, w_bwd, w_bwd_scale = ctx.saved_tensors
+        dy = dy.contiguous()
+        qdy_n, sdy_n, qdy_m, sdy_m = ops.mx_quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = ops.mx_matmul(qdy_n, sdy_n, w_bwd.t(), w_bwd_scale.t(), ctx.x_dtype)
+        dw = None
+        if ctx.w_requires_grad:
+            if ctx.main_grad:
+                # Megatron-style: accumulate in FP32 into weight.main_grad, no .grad.
+                w = ctx.weight
+                g = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), torch.float32)
+                if getattr(w, "main_grad", None) is None:
+                    w.main_grad = g
+                else:
+                    w.main_grad.add_(g)
+            else:
+                dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), ctx.w_dtype)
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
+              release: bool = True, release_frozen: bool = False, name: str = "",
+              main_grad: bool = False) -> Tensor:
+    """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K), W (N, K)."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
+                         f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
+    q = ops.quant_and_release(weight, cache_recipe(recipe), release,
+                              release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
+                              scale_mode=recipe.scale_mode, name=name)
+    x2d = x.reshape(-1, x.shape[-1])
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    y = _MXLinearFn.apply(x2d, weight, bias, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale,
+                          recipe.elem_dtype, recipe.scale_mode, main_grad)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class MXLinear(nn.Linear):
+    """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights.
+
+    The weight (and bias) are ordinary parameters — same objects, same state_dict keys — but the
+    forward and backward GEMMs read the cached MXFP8 copy of the weight, and with release=True
+    the BF16 weight's storage is freed from the first forward of a step until the optimizer
+    boundary (zrw.optim.attach) restores it. `main_grad=True` accumulates the weight gradient in
+    FP32 into `weight.main_grad` instead of `.grad` (as Megatron does).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: str | QuantRecipe = "mxfp8", release: bool = True,
+                 release_frozen: bool = False, main_grad: bool = False, device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = get_recipe(recipe)
+        self.release = release
+        self.release_frozen = release_frozen
+        self.main_grad = main_grad
+        self.zrw_name = ""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: str | QuantRecipe = "mxfp8",
+                    release: bool = True, release_frozen: bool = False, main_grad: bool = False,
+                    name: str = "") -> "MXLinear":
+        """An MXLinear that takes over `linear`'s parameters (the same Parameter objects)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.weight = linear.weight
+        m.bias = linear.bias
+        m.recipe = get_recipe(recipe)
+        m.release, m.release_frozen, m.main_grad = release, release_frozen, main_grad
+        m.zrw_name = name
+        # Hooks and training flag carry over, so the swap is invisible to the rest of the model.
+        m.training = linear.training
+        m._forward_hooks = linear._forward_hooks
+        m._forward_pre_hooks = linear._forward_pre_hooks
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
+                         self.release_frozen, self.zrw_name or "MXLinear.weight", self.main_grad)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")
