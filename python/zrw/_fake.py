@@ -18,15 +18,81 @@ def _scale_shape(shape, dim: int):
     return s
 
 
-def _wrap(dim: int, ndim: int) -> int:
-    torch._check(ndim > 0, lambda: "zrw: expected a tensor with at least one dimension")
-    torch._check(-ndim <= dim < ndim, lambda: f"zrw: dim {dim} out of range for a {ndim}-d tensor")
+# The fakes check what the kernels check (csrc/common/checks.h), with the same exception types
+# and messages: a bad argument must fail while tracing or on meta tensors, not trace into a
+# graph that fails later or mis-sizes an output.
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_MODES = ("floor", "rceil")
+
+
+def _check_devices(op: str, **tensors) -> None:
+    """All tensor arguments on one device: one meta operand among CPU ones lands here."""
+    first_name, first = next(iter(tensors.items()))
+    for name, t in tensors.items():
+        if t.device != first.device:
+            raise RuntimeError(f"{op}: {name} must be on {first.device} like {first_name}, got a "
+                               f"tensor on {t.device}")
+
+
+def _check_float_input(op: str, arg: str, x) -> None:
+    if x.dtype not in _FLOAT_IN:
+        raise TypeError(f"{op}: {arg} must be torch.bfloat16, torch.float16 or torch.float32, "
+                        f"got {x.dtype}")
+
+
+def _check_elem(op: str, arg: str, dtype) -> None:
+    if dtype not in _FP8:
+        raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                        f"{dtype}")
+
+
+def _check_mode(op: str, mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f'{op}: scale_mode must be "floor" or "rceil", got "{mode}"')
+
+
+def _check_out_dtype(op: str, dtype) -> None:
+    if dtype not in _FLOAT_IN:
+        raise TypeError(f"{op}: out_dtype must be torch.bfloat16, torch.float16 or "
+                        f"torch.float32, got {dtype}")
+
+
+def _check_scale(op: str, arg: str, s) -> None:
+    if s.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"{op}: {arg} must be torch.float8_e8m0fnu, got {s.dtype}")
+
+
+def _wrap(op: str, arg: str, dim: int, ndim: int) -> int:
+    if ndim == 0:
+        raise IndexError(f"{op}: {arg} must have at least one dimension, got a 0-d tensor")
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"{op}: dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-d {arg}, "
+                         f"got {dim}")
     return dim % ndim
+
+
+def _check_weight_rank(op: str, w) -> None:
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{op}: w must be 2-d (N, K) or 3-d (E, N, K), got shape "
+                         f"{list(w.shape)}")
+
+
+def _check_scale_matches(op, data_arg, scale_arg, data, scale, dim) -> None:
+    expected = _scale_shape(data.shape, dim)
+    if list(scale.shape) != list(expected):
+        raise ValueError(f"{op}: {scale_arg} must have shape {list(expected)} for {data_arg} of "
+                         f"shape {list(data.shape)} blocked along dim {dim}, got "
+                         f"{list(scale.shape)}")
 
 
 @torch.library.register_fake("zrw::mx_quantize")
 def _(x, dim, elem_dtype, scale_mode):
-    d = _wrap(dim, x.dim())
+    op = "zrw.mx_quantize"
+    _check_float_input(op, "x", x)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
+    d = _wrap(op, "x", dim, x.dim())
     return (
         x.new_empty(x.shape, dtype=elem_dtype),
         x.new_empty(_scale_shape(x.shape, d), dtype=torch.float8_e8m0fnu),
@@ -35,6 +101,11 @@ def _(x, dim, elem_dtype, scale_mode):
 
 @torch.library.register_fake("zrw::mx_quantize_dual")
 def _(w, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize_dual"
+    _check_float_input(op, "w", w)
+    _check_weight_rank(op, w)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
     nd = w.dim()
     return (
         w.new_empty(w.shape, dtype=elem_dtype),
@@ -46,6 +117,11 @@ def _(w, elem_dtype, scale_mode):
 
 @torch.library.register_fake("zrw::mx_quantize_block")
 def _(w, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize_block"
+    _check_float_input(op, "w", w)
+    _check_weight_rank(op, w)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
     nd = w.dim()
     bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
     return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=torch.float8_e8m0fnu)
@@ -53,11 +129,34 @@ def _(w, elem_dtype, scale_mode):
 
 @torch.library.register_fake("zrw::mx_dequantize")
 def _(data, scale, dim, out_dtype):
+    op = "zrw.mx_dequantize"
+    _check_devices(op, data=data, scale=scale)
+    _check_elem(op, "data", data.dtype)
+    _check_scale(op, "scale", scale)
+    _check_out_dtype(op, out_dtype)
+    d = _wrap(op, "data", dim, data.dim())
+    _check_scale_matches(op, "data", "scale", data, scale, d)
     return data.new_empty(data.shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("zrw::mx_matmul")
 def _(a, a_scale, b, b_scale, out_dtype):
+    op = "zrw.mx_matmul"
+    _check_devices(op, a=a, a_scale=a_scale, b=b, b_scale=b_scale)
+    _check_elem(op, "a", a.dtype)
+    _check_elem(op, "b", b.dtype)
+    _check_scale(op, "a_scale", a_scale)
+    _check_scale(op, "b_scale", b_scale)
+    _check_out_dtype(op, out_dtype)
+    if a.dim() != 2:
+        raise ValueError(f"{op}: a must be 2-d (M, K), got shape {list(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(f"{op}: b must be 2-d (N, K), got shape {list(b.shape)}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: a (M, K) and b (N, K) must share K (both blocked along K), got "
+                         f"a {list(a.shape)} and b {list(b.shape)}")
+    _check_scale_matches(op, "a", "a_scale", a, a_scale, 1)
+    _check_scale_matches(op, "b", "b_scale", b, b_scale, 1)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -80,3 +179,19 @@ def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name):
         w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
         w.new_empty(bshape, dtype=torch.float8_e8m0fnu),
     ]
+
+
+def _eager_only(name: str):
+    def fake(*args, **kwargs):
+        raise RuntimeError(
+            f"zrw.{name} is a stateful, eager-only op (the native weight cache): it cannot run on "
+            "fake or meta tensors or inside a compiled graph; zrw.ops wraps it with "
+            "torch._dynamo.disable, so call it through zrw.ops")
+
+    return fake
+
+
+# The cache ops that take a weight: no meaningful fake exists (their effect is on the weight's
+# storage and the process-wide table), so the fake says so instead of pretending.
+for _name in ("restore", "cache_invalidate", "cache_state"):
+    torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))

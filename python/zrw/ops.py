@@ -67,9 +67,9 @@ def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:
     n, k = shape[-2], shape[-1]
     nd = len(shape)
     if dim in (-1, nd - 1):
-        return block_scale.repeat_interleave(32, dim=-2)[..., :n, :]
+        return block_scale.repeat_interleave(32, dim=-2)[..., :n, :].contiguous()
     if dim in (-2, nd - 2):
-        return block_scale.repeat_interleave(32, dim=-1)[..., :k]
+        return block_scale.repeat_interleave(32, dim=-1)[..., :k].contiguous()
     raise ValueError(f"expand_block_scale: dim must be -1 or -2 for a weight of shape "
                      f"{tuple(shape)}, got {dim}")
 
@@ -94,8 +94,9 @@ def mx_matmul(
     Returns (M, N) in out_dtype. Either operand (with its scale) may be a strided view such as
     the .t() of a tensor blocked along its other axis — dgrad passes W_bwd.t(), wgrad
     Q_M(dy).t() and Q_M(x).t() — and is never copied to make it contiguous. On CPU it is
-    emulated: tiles are dequantized to bf16 (exact) and multiplied by a bf16 GEMM with FP32
-    accumulation; a hardware MX GEMM where the backend has one.
+    emulated: a is dequantized to fp32 once and b tile by tile (exact: an MX value times a power
+    of two is an fp32 value), then multiplied by the fp32 GEMM; a hardware MX GEMM where the
+    backend has one.
     """
     return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)
 
@@ -264,6 +265,11 @@ def restore_all(fill: str = "empty") -> int:
     for w in list(_masters.keys()):
         n += bool(restore(w, "master"))
     return n + torch.ops.zrw.restore_all("dequant")
+
+
+def cache_state(w: Tensor) -> int:
+    """0: w has no cache entry; 1: its FP8 copy is cached; 2: cached and its storage released."""
+    return torch.ops.zrw.cache_state(w)
 
 
 def is_released(w: Tensor) -> bool:

@@ -132,6 +132,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torc
 
     def pre_hook(opt, args, kwargs):
         ops.restore_all(fill)
+        _clear_fsdp_shard_cache()
 
     def post_hook(opt, args, kwargs):
         ops.next_step()
@@ -140,6 +141,14 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torc
                optimizer.register_step_post_hook(post_hook))
     setattr(optimizer, _HOOKS_ATTR, handles)
     return optimizer
+
+
+def _clear_fsdp_shard_cache() -> None:
+    import sys
+
+    fsdp = sys.modules.get("zrw.fsdp")  # only if FSDP2 support is in use
+    if fsdp is not None:
+        fsdp.clear_shard_cache()
 
 
 def detach(optimizer: torch.optim.Optimizer) -> None:

@@ -122,7 +122,8 @@ def test_dequantize_of_quantized_values_matches_reference(elem_dtype, shape_dim)
         expected = ref.mx_dequantize(data, scale, dim, out_dtype)
         assert_bitwise_equal(got, expected, f"{out_dtype}")
     exact = ops.mx_dequantize(data, scale, dim, torch.float32).double()
-    assert torch.equal(exact.nan_to_num(7.0), independent_dequantize(data, scale, dim).nan_to_num(7.0))
+    independent = independent_dequantize(data, scale, dim)
+    assert torch.equal(exact.nan_to_num(7.0), independent.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("elem_dtype", ELEM_DTYPES, ids=dtype_id)
@@ -164,8 +165,9 @@ def test_scale_byte_zero_and_nan(elem_dtype, out_dtype):
 
 def test_nan_block_is_whole_block_nan_along_dim0():
     data = torch.ones(70, 3).to(E4M3)
-    scale = torch.tensor([[127, NAN_BYTE, 127], [NAN_BYTE, 127, 127], [127, 127, 0]], dtype=torch.uint8)
-    got = ops.mx_dequantize(data, scale.view(E8M0), 0, torch.float32)
+    scale_bytes = [[127, NAN_BYTE, 127], [NAN_BYTE, 127, 127], [127, 127, 0]]
+    scale = torch.tensor(scale_bytes, dtype=torch.uint8).view(E8M0)
+    got = ops.mx_dequantize(data, scale, 0, torch.float32)
     nan = got.isnan()
     assert nan[:32, 1].all() and nan[32:64, 0].all()
     assert nan.sum() == 64

@@ -159,11 +159,13 @@ CASES = [
      TypeError, rf"zrw\.mx_matmul: out_dtype must be {INPUT_DTYPES}, {found(torch.float64)}"),
     # ---- the Python helper
     ("expand-block-scale-dim", lambda: ops.expand_block_scale(SCALE[:1, :2][None], (1, 4, 64), 0),
-     ValueError, r"expand_block_scale: dim must be -1 or -2 for a weight of shape \(1, 4, 64\), got 0"),
+     ValueError,
+     r"expand_block_scale: dim must be -1 or -2 for a weight of shape \(1, 4, 64\), got 0"),
 ]
 
 
-@pytest.mark.parametrize("call, exc_type, pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("call, exc_type, pattern", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
 def test_bad_argument_raises_with_a_message_naming_it(call, exc_type, pattern):
     with pytest.raises(exc_type, match=pattern):
         call()
@@ -182,7 +184,8 @@ NO_KERNEL_CASES = [
     ("quantize-sparse", lambda: ops.mx_quantize(X.to_sparse()), "mx_quantize", "SparseCPU"),
     ("quantize-mkldnn", lambda: ops.mx_quantize(X.to_mkldnn()), "mx_quantize", "MkldnnCPU"),
     ("dual-sparse", lambda: ops.mx_quantize_dual(X.to_sparse()), "mx_quantize_dual", "SparseCPU"),
-    ("block-sparse", lambda: ops.mx_quantize_block(X.to_sparse()), "mx_quantize_block", "SparseCPU"),
+    ("block-sparse", lambda: ops.mx_quantize_block(X.to_sparse()), "mx_quantize_block",
+     "SparseCPU"),
     ("dequantize-sparse-scale", lambda: ops.mx_dequantize(DATA, SCALE.float().to_sparse()),
      "mx_dequantize", "SparseCPU"),
     ("matmul-sparse-b", lambda: ops.mx_matmul(DATA, SCALE, DATA.float().to_sparse(), SCALE),
@@ -195,7 +198,8 @@ NO_KERNEL_CASES = [
 def test_tensor_without_a_kernel_raises_naming_op_and_backend(call, op, backend):
     # The dispatcher's error for a backend zrw has no kernel for (how a CUDA or NPU tensor fails
     # on a build without that backend): a Python exception, never a crash.
-    with pytest.raises(NotImplementedError, match=rf"Could not run 'zrw::{op}' .*'{backend}' backend"):
+    pattern = rf"Could not run 'zrw::{op}' .*'{backend}' backend"
+    with pytest.raises(NotImplementedError, match=pattern):
         call()
 
 
@@ -210,7 +214,8 @@ def test_meta_tensors_go_to_the_fake_kernels():
     assert all(t.device.type == "meta" for t in outs)
     data, block_scale = ops.mx_quantize_block(x)
     assert block_scale.shape == (3, 2, 3) and block_scale.device.type == "meta"
-    out = ops.mx_dequantize(data, ops.expand_block_scale(block_scale, x.shape, -2), -2, torch.float16)
+    bwd_scale = ops.expand_block_scale(block_scale, x.shape, -2)
+    out = ops.mx_dequantize(data, bwd_scale, -2, torch.float16)
     assert (out.device.type, out.shape, out.dtype) == ("meta", x.shape, torch.float16)
     a = torch.empty(5, 70, device="meta", dtype=E4M3)
     a_scale = torch.empty(5, 3, device="meta", dtype=E8M0)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..config import QuantRecipe, get_recipe
-from .linear import cache_recipe
+from .linear import _weight_planes
 
 
 class _MXGroupedFn(torch.autograd.Function):
@@ -36,6 +36,7 @@ class _MXGroupedFn(torch.autograd.Function):
             y[off:off + c] = ops.mx_matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
             saved += [qm, sm]
             off += c
+        ctx.gathered = weight if w_bwd is None else None
         ctx.save_for_backward(w_bwd, w_bwd_scale, *saved)
         ctx.counts = list(counts)
         ctx.elem_dtype, ctx.scale_mode = elem_dtype, scale_mode
@@ -46,6 +47,8 @@ class _MXGroupedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         w_bwd, w_bwd_scale, *saved = ctx.saved_tensors
+        if ctx.gathered is not None:
+            w_bwd, w_bwd_scale = ctx.gathered.mx_weight("bwd").bwd
         dy = dy.contiguous()
         E, N, K = ctx.w_shape
         dx = dy.new_empty(dy.shape[0], K) if ctx.needs_input_grad[0] else None
@@ -85,9 +88,7 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{name}''s K "
                          f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
-    q = ops.quant_and_release(weight, cache_recipe(recipe), release,
-                              release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
-                              scale_mode=recipe.scale_mode, name=name)
+    q = _weight_planes(weight, recipe, release, release_frozen, name)
     return _MXGroupedFn.apply(x.contiguous(), weight, list(counts), q.fwd.data, q.fwd.scale,
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)
 

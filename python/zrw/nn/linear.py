@@ -34,6 +34,7 @@ class _MXLinearFn(torch.autograd.Function):
         y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
         if bias is not None:
             y = y + bias
+        ctx.gathered = weight if w_bwd is None else None
         ctx.save_for_backward(qx_m, sx_m, w_bwd, w_bwd_scale)
         ctx.weight = weight if main_grad else None
         ctx.has_bias = bias is not None
@@ -45,6 +46,9 @@ class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         qx_m, sx_m, w_bwd, w_bwd_scale = ctx.saved_tensors
+        if ctx.gathered is not None:
+            # FSDP2: the backward re-gather has just filled the weight's backward plane.
+            w_bwd, w_bwd_scale = ctx.gathered.mx_weight("bwd").bwd
         dy = dy.contiguous()
         qdy_n, sdy_n, qdy_m, sdy_m = ops.mx_quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
         dx = None
@@ -66,6 +70,23 @@ class _MXLinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
+def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
+                   name: str) -> ops.MXWeight:
+    """The weight's MX planes: from FSDP2's MXFP8 all-gather when the weight is a gathered one
+    (bwd is None: it is read from the weight in backward, after FSDP2's re-gather), else from
+    the native cache."""
+    from ..fsdp import MXGatheredWeight
+
+    if isinstance(weight, MXGatheredWeight):
+        # FSDP2 frees the gathered planes at reshard and refills them at the backward
+        # re-gather: backward must read them from the weight then, never keep forward's.
+        fwd = weight.mx_weight("fwd").fwd
+        return ops.MXWeight(weight._zrw_recipe, fwd, ops.MXPlane(None, None))
+    return ops.quant_and_release(weight, cache_recipe(recipe), release,
+                                 release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
+                                 scale_mode=recipe.scale_mode, name=name)
+
+
 def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
               release: bool = True, release_frozen: bool = False, name: str = "",
               main_grad: bool = False) -> Tensor:
@@ -73,9 +94,7 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
-    q = ops.quant_and_release(weight, cache_recipe(recipe), release,
-                              release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
-                              scale_mode=recipe.scale_mode, name=name)
+    q = _weight_planes(weight, recipe, release, release_frozen, name)
     x2d = x.reshape(-1, x.shape[-1])
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()

@@ -1,0 +1,369 @@
+"""FSDP2 with an MXFP8 all-gather (DESIGN.md §7; the RFC rfc_fsdp_mxfp8_32x32).
+
+`prepare(model)` wraps the weight of every converted layer (zrw.nn.MXLinear, MXFusedExperts) in
+`PreQuantWeight`, a tensor subclass implementing FSDP2's all-gather extension
+(`fsdp_pre_all_gather` in its 5-argument form, `fsdp_post_all_gather`). Call it after
+zrw.convert and before `torch.distributed.fsdp.fully_shard`.
+
+Under FSDP2 the sharded parameter is the FP32 (or param-dtype) master that the optimizer steps,
+a view into FSDP's own buffer, so nothing is released there; the zero-redundancy property is
+that no BF16 unsharded weight is ever gathered or materialized:
+  * each rank quantizes `shard.to(param_dtype)` once per optimizer step (the bytes equal the
+    single-process path: a shard holds whole 32-row blocks) and caches it for every
+    micro-batch's gather, the backward re-gather included;
+  * `mxfp8` gathers the plane the phase needs: forward data + scale in the forward gather,
+    backward data + scale in the backward re-gather (both with both_planes=True: needed with
+    reshard_after_forward=False or activation recompute);
+  * `mxfp8-32x32` gathers the data once plus the compact block scale; the forward and backward
+    scales are expanded after the gather;
+  * FP8 travels as uint8 views (gloo refuses float8).
+A shard that does not hold whole 32-row blocks (rows per rank not a multiple of 32, uneven
+sharding) falls back, with a warning naming the weight, to gathering the param-dtype shard and
+quantizing after the gather: correct, but that weight then exists unsharded in BF16.
+
+The gathered weight is an `MXGatheredWeight`: shape and dtype of the unsharded parameter, data
+held as the MX planes; the zrw layers read the planes, any other use raises.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from . import ops
+from .config import get_recipe
+
+__all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "count_all_gather_bytes",
+           "clear_shard_cache", "shard_quantizations"]
+
+aten = torch.ops.aten
+
+# Every PreQuantWeight alive, so that the optimizer boundary can drop their shard caches.
+_live: "weakref.WeakSet[PreQuantWeight]" = weakref.WeakSet()
+_quantize_count = {"n": 0}
+_lock = threading.Lock()
+
+
+def clear_shard_cache() -> None:
+    """Drop every cached shard quantization (called by zrw.optim at the optimizer boundary)."""
+    for w in list(_live):
+        w._zrw_planes = None
+
+
+def shard_quantizations() -> int:
+    """How many times a shard has been quantized in this process (for tests and benchmarks)."""
+    return _quantize_count["n"]
+
+
+# Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,
+# moving). In-place optimizer math runs on the inner tensor and returns it.
+_PRESERVED = {
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default,
+    aten.slice.Tensor, aten.copy_.default, aten.view.default, aten.as_strided.default,
+    aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.clone.default, aten.detach.default, aten.alias.default,
+    aten.zeros_like.default,
+}
+
+
+class PreQuantWeight(torch.Tensor):
+    """A weight (the FP32 / param-dtype master under FSDP2) that all-gathers as MXFP8."""
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, recipe: str, name: str, both_planes: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, recipe: str, name: str, both_planes: bool = False):
+        self._tensor = tensor
+        self._zrw_recipe = recipe
+        self._zrw_name = name
+        self._zrw_both_planes = both_planes
+        self._zrw_planes: Optional[Tuple[int, str, List[Tensor]]] = None
+        self._zrw_warned = False
+        _live.add(self)
+
+    def __repr__(self) -> str:
+        return (f"PreQuantWeight({self._zrw_name!r}, recipe={self._zrw_recipe}, "
+                f"shard={tuple(self._tensor.shape)}, {self._tensor.dtype})")
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], (self._zrw_recipe, self._zrw_name, self._zrw_both_planes)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return PreQuantWeight(inner["_tensor"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
+
+        def unwrap(t):
+            return t._tensor if isinstance(t, cls) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func not in _PRESERVED:
+            return out
+
+        def wrap(t):
+            if isinstance(t, Tensor) and not isinstance(t, cls) and t.is_floating_point():
+                return cls(t, src._zrw_recipe, src._zrw_name, src._zrw_both_planes)
+            return t
+
+        if func is aten.copy_.default:
+            return args[0]
+        return tree_map(wrap, out)
+
+    # ---- the FSDP2 all-gather extension ------------------------------------------------------
+
+    def _quantized_shard(self, param_dtype: torch.dtype) -> List[Tensor]:
+        """The shard's MX planes, quantized once per optimizer step (zrw's step counter)."""
+        step = ops.cache_stats()["step"]
+        cached = self._zrw_planes
+        if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
+            return cached[2]
+        rcp = get_recipe(self._zrw_recipe)
+        shard = self._tensor.detach().to(param_dtype)
+        if rcp.block_32x32:
+            planes = list(ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode))
+        else:
+            planes = list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode))
+        with _lock:
+            _quantize_count["n"] += 1
+        self._zrw_planes = (step, str(param_dtype), planes)
+        return planes
+
+    def _whole_blocks(self, outer_size: torch.Size, world: int) -> bool:
+        """Whether every rank's shard holds whole 32-row blocks (3-D stacks shard whole
+        matrices, so they always do)."""
+        if len(outer_size) == 3:
+            return outer_size[0] % world == 0
+        rows = outer_size[0]
+        return rows % world == 0 and (rows // world) % 32 == 0
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        param_dtype = mp_policy.param_dtype or self.dtype
+        world = mesh.size()
+        if not self._whole_blocks(outer_size, world):
+            if not self._zrw_warned:
+                warnings.warn(
+                    f"zrw.fsdp: weight '{self._zrw_name}' of shape {tuple(outer_size)} does not "
+                    f"shard into whole 32-row blocks over {world} ranks: it is all-gathered in "
+                    f"{param_dtype} and quantized after the gather (correct, but not "
+                    "zero-redundancy for this weight)", stacklevel=2)
+                self._zrw_warned = True
+            shard = self._tensor.detach().to(param_dtype)
+            padded_rows = -(-outer_size[0] // world)
+            if shard.shape[0] < padded_rows:  # FSDP pads the last ranks' shards
+                pad = shard.new_zeros((padded_rows - shard.shape[0], *shard.shape[1:]))
+                shard = torch.cat([shard, pad])
+            return (shard,), ("fallback", tuple(outer_size))
+        planes = self._quantized_shard(param_dtype)
+        recipe = self._zrw_recipe
+        if recipe == "mxfp8-32x32":
+            data, block = planes
+            inputs, phase = (data, block), "block"
+        elif self._zrw_both_planes:
+            inputs, phase = tuple(planes), "both"
+        else:
+            # The backward re-gather runs inside the autograd engine: dgrad needs the N plane.
+            bwd = torch._C._current_autograd_node() is not None
+            data, scale = (planes[2], planes[3]) if bwd else (planes[0], planes[1])
+            # FSDP2 sizes its all-gather buffers at the first gather, so every gather must send
+            # the same numels: the two scale planes differ when K is not a multiple of 32, and
+            # the smaller one travels zero-padded to the larger one's size.
+            width = max(planes[1].numel(), planes[3].numel())
+            flat = scale.reshape(-1).view(torch.uint8)
+            if flat.numel() < width:
+                flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
+            meta = ("bwd" if bwd else "fwd", tuple(outer_size), tuple(scale.shape), world)
+            return (data.view(torch.uint8), flat), meta
+        return tuple(t.view(torch.uint8) for t in inputs), (phase, tuple(outer_size))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        phase, outer_size = metadata[0], metadata[1]
+        rcp = get_recipe(self._zrw_recipe)
+        elem = rcp.elem_dtype
+        e8 = torch.float8_e8m0fnu
+        inner: List[Tensor] = []
+        if phase == "fallback":
+            (full,) = all_gather_outputs
+            full = full[: outer_size[0]]
+            if rcp.block_32x32:
+                data, block = ops.mx_quantize_block(full, elem, rcp.scale_mode)
+                planes = _block_planes(data, block, outer_size)
+            else:
+                planes = dict(zip(("fwd_data", "fwd_scale", "bwd_data", "bwd_scale"),
+                                  ops.mx_quantize_dual(full, elem, rcp.scale_mode)))
+            inner = [t for t in planes.values() if t is not None]
+        elif phase == "block":
+            data, block = all_gather_outputs
+            planes = _block_planes(data.view(elem), block.view(e8), outer_size)
+            inner = [planes["fwd_scale"], planes["bwd_scale"]]
+        elif phase == "both":
+            views = [t.view(elem) if i % 2 == 0 else t.view(e8)
+                     for i, t in enumerate(all_gather_outputs)]
+            planes = dict(zip(("fwd_data", "fwd_scale", "bwd_data", "bwd_scale"), views))
+        else:
+            data, flat = all_gather_outputs
+            local_shape, world = metadata[2], metadata[3]
+            n = 1
+            for d in local_shape:
+                n *= d
+            per_rank = flat.view(world, -1)
+            if per_rank.shape[1] != n:  # drop the padding each rank's scale travelled with
+                per_rank = per_rank[:, :n].contiguous()
+                inner = [per_rank]
+            scale = per_rank.view(e8).reshape(world * local_shape[0], *local_shape[1:])
+            planes = {"fwd_data": None, "fwd_scale": None, "bwd_data": None, "bwd_scale": None}
+            planes[f"{phase}_data"] = data.view(elem)
+            planes[f"{phase}_scale"] = scale
+        if out is not None:
+            prev = out._zrw_state["planes"]
+            if phase == "block" and prev.get("fwd_scale") is not None:
+                # FSDP2 re-allocated the storage of the inner tensors we returned the first time
+                # (the expanded scales) and frees it again at reshard: refill them in place.
+                prev["fwd_scale"].copy_(planes["fwd_scale"])
+                prev["bwd_scale"].copy_(planes["bwd_scale"])
+                planes["fwd_scale"], planes["bwd_scale"] = prev["fwd_scale"], prev["bwd_scale"]
+            out._set_planes(planes, phase)
+            return None
+        g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._zrw_recipe,
+                             self._zrw_name)
+        g._set_planes(planes, phase)
+        return g, tuple(inner)
+
+
+def _block_planes(data: Tensor, block: Tensor, outer_size) -> Dict[str, Tensor]:
+    n, k = outer_size[-2], outer_size[-1]
+    return {"fwd_data": data, "bwd_data": data,
+            "fwd_scale": ops.expand_block_scale(block, outer_size, -1).contiguous(),
+            "bwd_scale": ops.expand_block_scale(block, outer_size, -2).contiguous()}
+
+
+class MXGatheredWeight(torch.Tensor):
+    """The unsharded weight FSDP2 hands to a zrw layer: the gathered MX planes, no BF16 data.
+
+    It has the parameter's shape and dtype for autograd's sake; zrw's layers read its planes
+    (`mx_weight()`), and any other operation on it raises an error naming the weight.
+    """
+
+    @staticmethod
+    def __new__(cls, size, dtype, device, recipe, name, requires_grad=False):
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, size, dtype, device, recipe, name, requires_grad=False):
+        self._zrw_recipe = recipe
+        self._zrw_name = name
+        # Shared by every alias (FSDP2 wraps the object in an nn.Parameter, a detached alias, and
+        # later gathers update it through `out=`): one mutable state, updated in place.
+        self._zrw_state: Dict[str, object] = {"planes": {}, "phase": None}
+
+    def _set_planes(self, planes: Dict[str, Optional[Tensor]], phase: str) -> None:
+        self._zrw_state["planes"] = dict(planes)
+        self._zrw_state["phase"] = phase
+
+    def __repr__(self) -> str:
+        return (f"MXGatheredWeight({self._zrw_name!r}, {tuple(self.shape)}, "
+                f"recipe={self._zrw_recipe}, gathered={self._zrw_state['phase']})")
+
+    def mx_weight(self, need: str) -> ops.MXWeight:
+        """The planes as an MXWeight; `need` is "fwd" or "bwd", the plane the caller reads."""
+        p = self._zrw_state["planes"]
+        if p.get(f"{need}_data") is None:
+            raise RuntimeError(
+                f"zrw.fsdp: weight '{self._zrw_name}' was all-gathered with only its "
+                f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
+                "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
+                "zrw.fsdp.prepare(model, both_planes=True)")
+        return ops.MXWeight(self._zrw_recipe, ops.MXPlane(p["fwd_data"], p["fwd_scale"]),
+                            ops.MXPlane(p["bwd_data"], p["bwd_scale"]))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
+        # FSDP2 re-views the unsharded tensor (as_strided to the original size) and autograd
+        # detaches it into an nn.Parameter: shape-preserving aliases share the planes.
+        if func in (aten.detach.default, aten.alias.default, aten.view.default,
+                    aten.as_strided.default, aten._unsafe_view.default):
+            shape = func(torch.empty(src.shape, device="meta"), *args[1:], **kwargs).shape
+            if shape == src.shape:
+                g = cls(src.shape, src.dtype, src.device, src._zrw_recipe, src._zrw_name)
+                g._zrw_state = src._zrw_state
+                return g
+        raise RuntimeError(
+            f"zrw.fsdp: {func} on the gathered weight '{src._zrw_name}': under zrw's FSDP2 "
+            "all-gather the unsharded weight exists only as its MXFP8 planes (no BF16 copy is "
+            "ever materialized); only zrw layers can use it")
+
+
+def prepare(model: nn.Module, both_planes: bool = False) -> int:
+    """Wrap the weights of every converted zrw layer in PreQuantWeight; returns how many.
+
+    Call after zrw.convert and before fully_shard (the extension hooks are looked up when FSDP2
+    shards a parameter). both_planes=True gathers both mxfp8 planes in every gather: needed with
+    fully_shard(..., reshard_after_forward=False) and with activation recompute.
+    """
+    from .nn.grouped import MXFusedExperts
+    from .nn.linear import MXLinear
+
+    n = 0
+    for mname, mod in model.named_modules():
+        if isinstance(mod, MXLinear):
+            names = ["weight"]
+            recipe = "mxfp8-32x32" if mod.recipe.block_32x32 else "mxfp8"
+        elif isinstance(mod, MXFusedExperts):
+            names = ["gate_up_proj", "down_proj"]
+            recipe = "mxfp8-32x32" if mod.recipe.block_32x32 else "mxfp8"
+        else:
+            continue
+        for pname in names:
+            p = getattr(mod, pname)
+            if isinstance(p, PreQuantWeight):
+                continue
+            qual = f"{mname}.{pname}" if mname else pname
+            wrapped = nn.Parameter(PreQuantWeight(p.data, recipe, qual, both_planes),
+                                   requires_grad=p.requires_grad)
+            setattr(mod, pname, wrapped)
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def count_all_gather_bytes() -> Iterator[Dict[str, int]]:
+    """Count the bytes all-gathered at the process group: wraps ProcessGroup.all_gather_single
+    (what FSDP2 2.13 calls) and ProcessGroup._allgather_base (all_gather_into_tensor). Yields a
+    dict with "bytes" (output bytes: what each rank receives, its own shard included) and
+    "calls", updated as collectives run."""
+    from torch.distributed import ProcessGroup
+
+    counts = {"bytes": 0, "calls": 0}
+    originals = {}
+    for meth in ("all_gather_single", "_allgather_base"):
+        orig = getattr(ProcessGroup, meth, None)
+        if orig is None:
+            continue
+        originals[meth] = orig
+
+        def counting(self, output_tensor, input_tensor, *args, _orig=orig, **kwargs):
+            counts["bytes"] += output_tensor.numel() * output_tensor.element_size()
+            counts["calls"] += 1
+            return _orig(self, output_tensor, input_tensor, *args, **kwargs)
+
+        setattr(ProcessGroup, meth, counting)
+    try:
+        yield counts
+    finally:
+        for meth, orig in originals.items():
+            setattr(ProcessGroup, meth, orig)

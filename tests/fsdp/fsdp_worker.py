@@ -1,0 +1,231 @@
+"""One rank of the FSDP2 tests (spawned by test_fsdp.py, 2 ranks, gloo on CPU).
+
+Trains a small model of MXLinear layers (+ an MoE expert stack) under fully_shard with zrw's
+MXFP8 all-gather, and writes what the test checks (losses, updated weights, gathered planes,
+all-gather bytes counted at the process group, shard quantization counts) to a JSON/pt file.
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Experts(nn.Module):
+    """A Hugging Face style fused-experts module (3-D gate_up_proj / down_proj, act_fn)."""
+
+    def __init__(self, e, h, i):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i ** -0.5)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden, top_k_index, top_k_weights):  # BF16 reference path (unused)
+        raise NotImplementedError
+
+
+class Net(nn.Module):
+    def __init__(self, d, hidden, experts, moe):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, d, bias=False)
+        self.moe = moe
+        if moe:
+            self.router = nn.Linear(d, experts, bias=False)
+            self.experts = Experts(experts, d, hidden // 2)
+
+    def forward(self, x):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        if self.moe:
+            logits = self.router(h).float()
+            w, idx = torch.topk(logits.softmax(-1), 2, dim=-1)
+            h = h + self.experts(h.reshape(-1, h.shape[-1]), idx.reshape(-1, 2),
+                                 w.reshape(-1, 2).to(h.dtype)).reshape(h.shape)
+        return h
+
+
+import contextlib
+
+
+@contextlib.contextmanager
+def count_gathered_bytes():
+    """The test's own byte count, independent of zrw's: wrap the process group's all-gather
+    entry points (ProcessGroup.all_gather_single, what FSDP2 calls, and _allgather_base)."""
+    from torch.distributed import ProcessGroup
+
+    counts = {"bytes": 0}
+    saved = {}
+    for meth in ("all_gather_single", "_allgather_base"):
+        orig = getattr(ProcessGroup, meth, None)
+        if orig is None:
+            continue
+        saved[meth] = orig
+
+        def wrapper(self, out, inp, *a, _orig=orig, **k):
+            counts["bytes"] += out.numel() * out.element_size()
+            return _orig(self, out, inp, *a, **k)
+
+        setattr(ProcessGroup, meth, wrapper)
+    try:
+        yield counts
+    finally:
+        for meth, orig in saved.items():
+            setattr(ProcessGroup, meth, orig)
+
+
+def build(args):
+    import zrw
+
+    torch.manual_seed(0)
+    model = Net(args.d, args.hidden, args.experts, args.moe)
+    with torch.no_grad():
+        # FP32 masters that hold bf16-representable values: the single-process run starts from
+        # model.to(bf16), whose MasterWeights masters are exactly these.
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    zrw.convert(model, args.recipe, release=False, skip=("router",))
+    return model
+
+
+def batches(args):
+    g = torch.Generator().manual_seed(1)
+    # global batch per micro-batch: world * tokens_per_rank rows
+    return [torch.randn(args.world * args.tokens, args.d, generator=g)
+            for _ in range(args.steps * args.micro_batches)]
+
+
+def optimizer_cls(args):
+    return torch.optim.SGD if args.opt == "sgd" else torch.optim.AdamW
+
+
+def run_single(args):
+    """The single-process zrw run on the global batch (bf16 weights, FP32 masters)."""
+    import zrw
+
+    model = build(args).to(torch.bfloat16)
+    opt = zrw.optim.attach(zrw.optim.MasterWeights(optimizer_cls(args), model.parameters(),
+                                                   lr=args.lr))
+    losses = []
+    data = batches(args)
+    for step in range(args.steps):
+        for mb in range(args.micro_batches):
+            x = data[step * args.micro_batches + mb].to(torch.bfloat16)
+            loss = model(x).float().pow(2).mean() / args.micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    # The FP32 masters: what FSDP2's sharded parameters are.
+    masters = [m for group in opt.masters for m in group]
+    return losses, {n: m.detach().clone() for (n, _), m in zip(model.named_parameters(), masters)}
+
+
+def run_fsdp(args):
+    import zrw
+    import zrw.fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank = dist.get_rank()
+    model = build(args)
+    if args.mode == "zrw":
+        zrw.fsdp.prepare(model, both_planes=args.both_planes)
+    mesh = init_device_mesh("cpu", (args.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rafw = not args.no_reshard
+    if args.checkpoint:
+        from torch.utils.checkpoint import checkpoint
+
+        inner = model.forward
+        model.forward = lambda x: checkpoint(inner, x, use_reentrant=False)
+    for sub in [model.fc1, model.fc2] + ([model.experts] if args.moe else []):
+        fully_shard(sub, mesh=mesh, mp_policy=mp, reshard_after_forward=rafw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=rafw)
+    opt = optimizer_cls(args)(model.parameters(), lr=args.lr)
+    zrw.optim.attach(opt, fill="dequant")  # boundary: clears the shard cache, next_step
+    data = batches(args)
+    losses = []
+    # The planes each zrw layer receives from the first gather, to compare byte for byte with
+    # the single-process quantization of the full weight.
+    first_planes = {}
+
+    def capture(mod, inputs, name):
+        w = mod.weight
+        if name in first_planes or not isinstance(w, zrw.fsdp.MXGatheredWeight):
+            return
+        planes = w._zrw_state["planes"]
+        first_planes[name] = {k: (None if v is None else v.view(torch.uint8).clone())
+                              for k, v in planes.items()}
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, zrw.nn.MXLinear):
+            mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
+    q0 = zrw.fsdp.shard_quantizations()
+    per_step_bytes = []
+    gathered = {}
+    with count_gathered_bytes() as counts:
+        for step in range(args.steps):
+            before = counts["bytes"]
+            for mb in range(args.micro_batches):
+                x = data[step * args.micro_batches + mb]
+                x = x[rank * args.tokens:(rank + 1) * args.tokens]
+                loss = model(x).float().pow(2).mean() / args.micro_batches
+                loss.backward()
+                t = loss.detach().clone()
+                dist.all_reduce(t)
+                losses.append(t.item() / args.world)
+            per_step_bytes.append(counts["bytes"] - before)
+            opt.step()
+            opt.zero_grad()
+    quantizations = zrw.fsdp.shard_quantizations() - q0
+    full = {}
+    for n, p in model.named_parameters():
+        full[n] = p.full_tensor().detach().float()
+    return losses, full, per_step_bytes, quantizations, first_planes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, default=29555)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--recipe", default="mxfp8")
+    ap.add_argument("--mode", default="zrw", choices=["zrw", "bf16", "single"])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--both-planes", action="store_true")
+    ap.add_argument("--no-reshard", action="store_true")
+    ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "single":
+        losses, weights = run_single(args)
+        torch.save({"losses": losses, "weights": weights}, args.out)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(args.port)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, weights, per_step, quants, planes = run_fsdp(args)
+    msgs = [str(w.message) for w in caught if "zrw.fsdp" in str(w.message)]
+    if args.rank == 0:
+        torch.save({"losses": losses, "weights": weights, "per_step_bytes": per_step,
+                    "quantizations": quants, "warnings": msgs, "planes": planes}, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
