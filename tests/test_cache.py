@@ -7,6 +7,7 @@ purpose (a 0-byte storage breaks view creation with an unrelated message); the b
 the same, which is what the allocator and cache_stats()["released_bytes"] show.
 """
 
+import contextlib
 import gc
 import subprocess
 import sys
@@ -139,7 +140,9 @@ def test_release_frees_exact_bytes_and_restore_returns_them(recipe, fill, shape)
     assert after - before == fp8 - nbytes
     st = ops.cache_stats()
     assert st["released"] == 1 and st["released_bytes"] == nbytes
-    assert st["fp8_bytes"] == fp8 and st["entries"] == 1 and st["misses"] == 1
+    assert st["entries"] == 1 and st["misses"] == 1
+    # fp8_bytes is the bytes the FP8 copy holds (its storages), as the allocator sees them.
+    assert st["fp8_bytes"] == fp8, "cache_stats()['fp8_bytes'] != bytes held by the FP8 tensors"
     assert ops.is_released(w) and ops.is_cached(w)
     assert ops.cache_entries() == [dict(name="w", status="released", hits=0, misses=1,
                                         storage_bytes=nbytes)]
@@ -525,6 +528,19 @@ def _guard_cases():
         w._alias = w.detach()
         return w, w, lambda: ops.quant_and_release(w, name="g")
 
+    def aliased_with_storage_object():
+        t = torch.randn(n, k).to(BF16)
+        w = torch.nn.Parameter(t)
+        w._t, w._s = t, w.untyped_storage()  # t lives, and so does a Python storage object
+        return w, w, lambda: ops.quant_and_release(w, name="g")
+
+    def aliased_temporary_storage_object():
+        t = torch.randn(n, k).to(BF16)
+        w = torch.nn.Parameter(t)
+        w._t = t
+        w.untyped_storage()  # a storage object that dies at once must not hide the alias
+        return w, w, lambda: ops.quant_and_release(w, name="g")
+
     return {
         "release_false": (release_false, "release_false"),
         "no_grad": (no_grad, "no_grad"),
@@ -536,6 +552,8 @@ def _guard_cases():
         "flat_shared": (flat_shared, "flat_buffer"),
         "aliased": (aliased, "aliased"),
         "aliased_detach": (aliased_detached_view, "aliased"),
+        "aliased_storage_obj": (aliased_with_storage_object, "aliased"),
+        "aliased_tmp_storage_obj": (aliased_temporary_storage_object, "aliased"),
     }
 
 
@@ -569,13 +587,33 @@ def test_guard_skips_release_with_reason_and_keeps_storage(case):
     target.sum()
     repr(target)
     check_fresh(q, ref, "mxfp8")
-    # A later call in the same step is a hit (nothing counted twice).
-    ops.quant_and_release(target, name="g")
+    # A later call in the same step is a hit (nothing counted twice). A no_grad entry used again
+    # under grad mode would be released (see test_grad_mode_hit_releases_a_no_grad_entry), so
+    # that case repeats the call under no_grad.
+    with torch.no_grad() if reason == "no_grad" else contextlib.nullcontext():
+        ops.quant_and_release(target, name="g")
     assert ops.cache_stats()[f"skip_{reason}"] == 1 and ops.cache_stats()["hits"] == 1
     assert not ops.is_released(target)
     # restore is a no-op on it.
     assert ops.restore(target, "zeros") is False
     assert same_bits(target.detach(), ref)
+
+
+def test_python_storage_object_alone_does_not_block_release():
+    # Hugging Face's init calls untyped_storage(): the Python storage object is not another
+    # tensor. The weight is released, and reading through that storage object raises too.
+    w = param(64, 64)
+    st = w.untyped_storage()
+    before = zrw.memory.current()
+    q = ops.quant_and_release(w, name="hf.weight")
+    assert ops.is_released(w)
+    assert zrw.memory.current() - before == q_nbytes(q) - 64 * 64 * 2
+    with pytest.raises(RuntimeError, match=RELEASE_MSG):
+        st.data_ptr()
+    with pytest.raises(RuntimeError, match=RELEASE_MSG):
+        torch.empty(0, dtype=BF16).set_(st).sum()
+    assert ops.restore(w, "zeros")
+    assert torch.count_nonzero(torch.empty(0, dtype=BF16).set_(st)) == 0
 
 
 def test_no_grad_and_no_release_count_each_skip():
@@ -737,9 +775,12 @@ def test_restore_of_never_released_weight_is_noop():
     for fill in ops.FILLS:
         assert ops.restore(w, fill) is False  # cached, not released
     assert ops.is_cached(w) and same_bits(w.detach(), ref)
-    ops.quant_and_release(w.detach() * 1)  # a non-leaf: cached only
     frozen = param(64, 64, requires_grad=False)
-    assert ops.restore(frozen) is False
+    ops.quant_and_release(frozen)  # frozen without release_frozen: cached only
+    for fill in ops.FILLS:
+        assert ops.restore(frozen, fill) is False
+    assert ops.restore_all("zeros") == 0  # nothing released: nothing restored or zeroed
+    assert same_bits(w.detach(), ref)
 
 
 def test_restore_twice_and_after_invalidate_is_noop():
@@ -918,3 +959,20 @@ def test_concurrent_calls_on_the_same_weight_quantize_once():
     assert st["misses"] == 1 and st["hits"] == n_threads * 10 - 1 and st["released"] == 1
     assert len(set(ptrs)) == 1
     check_fresh(ops.quant_and_release(w), ref, "mxfp8")
+
+
+def test_grad_mode_hit_releases_a_no_grad_entry():
+    # A reentrant activation checkpoint runs its forward under no_grad (a miss that cannot
+    # release) and the recompute under grad mode (a hit): the hit releases, or the weight would
+    # stay resident for the whole step.
+    w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+    with torch.no_grad():
+        ops.quant_and_release(w, name="ckpt")
+    assert not ops.is_released(w)
+    before = zrw.memory.current()
+    ops.quant_and_release(w, name="ckpt")
+    assert ops.is_released(w)
+    assert before - zrw.memory.current() == w.numel() * w.element_size()
+    st = ops.cache_stats()
+    assert st["hits"] == 1 and st["misses"] == 1 and st["released_bytes"] == 64 * 96 * 2
+    ops.restore_all("zeros")

@@ -125,12 +125,28 @@ class WeightCache {
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
+        // Cached under no_grad (a reentrant checkpoint's forward) and now used for training
+        // (its recompute): release now. release=False stays an explicit choice for the step.
+        if (!e.released && release && e.status == kSkipNoGrad) {
+          const char* status = release_guard(w, release, release_frozen);
+          if (status == kReleased) {
+            release_storage(w, e.name);
+            e.released = true;
+            e.frozen = !w.requires_grad();
+            e.status = kReleased;
+          }
+        }
         return e.tensors;
       }
-      TORCH_CHECK(!e.released, op, ": weight '", e.name, "' is released with recipe ",
-                  recipe_name(e.recipe), " but was asked for recipe \"", recipe_str,
-                  "\" (or another element dtype / scale mode); restore it first "
-                  "(zrw.ops.restore or the optimizer boundary)");
+      TORCH_CHECK(!e.released || same_recipe, op, ": weight '", e.name,
+                  "' is released with recipe ", recipe_name(e.recipe), ", element dtype ",
+                  e.elem_dtype, " and scale mode \"", e.scale_mode, "\" but was asked for \"",
+                  recipe_str, "\", ", elem_dtype, ", \"", scale_mode,
+                  "\"; restore it first (zrw.ops.restore or the optimizer boundary)");
+      TORCH_CHECK(!e.released, op, ": weight '", e.name, "' was released in step ", e.step,
+                  " and never restored, but the cache is at step ", step_,
+                  ": next_step() ran without the optimizer boundary's restore_all() (use "
+                  "zrw.optim.attach, or call zrw.ops.restore_all() before next_step())");
       table_.erase(it);  // stale: quantized in an earlier step or written since
     }
 
@@ -273,12 +289,13 @@ class WeightCache {
     return {names, status, hits, misses, nbytes};
   }
 
-  // 0: never seen, 1: cached, 2: cached and released.
+  // 0: never seen, 1: cached, 2: cached and released, 3: released for good (frozen).
   int64_t state(const at::Tensor& w) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
     if (it == table_.end()) return 0;
-    return it->second.released ? 2 : 1;
+    if (!it->second.released) return 1;
+    return it->second.frozen ? 3 : 2;
   }
 
  private:
@@ -295,6 +312,19 @@ class WeightCache {
         ++it;
       }
     }
+  }
+
+  // A block scale (.., NB, KB) -> the per-axis scale (.., N, KB) (along_rows: each tile row
+  // repeated 32 times, cut to n rows) or (.., NB, K) (columns, cut to n).
+  static at::Tensor expand_tiles(const at::Tensor& b8, bool along_rows, int64_t n) {
+    const int64_t d = b8.dim();
+    auto e = b8.unsqueeze(along_rows ? d - 1 : d);
+    auto sizes = e.sizes().vec();
+    sizes[along_rows ? d - 1 : d] = 32;
+    auto flat = b8.sizes().vec();
+    flat[along_rows ? d - 2 : d - 1] *= 32;
+    return e.expand(sizes).reshape(flat).narrow(along_rows ? d - 2 : d - 1, 0, n).clone(
+        at::MemoryFormat::Contiguous);
   }
 
   static std::vector<at::Tensor> quantize(const at::Tensor& w, Recipe recipe,
@@ -317,11 +347,11 @@ class WeightCache {
     auto [data, block] = op.call(w, elem_dtype, scale_mode);
     // The per-axis scales the GEMMs read, expanded once here instead of on every hit.
     const int64_t N = w.size(-2), K = w.size(-1);
+    // expand + reshape + clone: one copy each, and the clone (unlike contiguous() of a
+    // narrowed row range) never keeps the padding rows of the last tile alive.
     auto b8 = block.view(at::kByte);
-    auto scale_fwd =
-        b8.repeat_interleave(32, -2).narrow(-2, 0, N).contiguous().view(at::kFloat8_e8m0fnu);
-    auto scale_bwd =
-        b8.repeat_interleave(32, -1).narrow(-1, 0, K).contiguous().view(at::kFloat8_e8m0fnu);
+    auto scale_fwd = expand_tiles(b8, /*along_rows=*/true, N).view(at::kFloat8_e8m0fnu);
+    auto scale_bwd = expand_tiles(b8, /*along_rows=*/false, K).view(at::kFloat8_e8m0fnu);
     return {data, scale_fwd, data, scale_bwd, block};
   }
 

@@ -204,11 +204,11 @@ def _check_fill(op: str, fill: str) -> None:
         raise ValueError(f"{op}: fill must be one of {FILLS}, got {fill!r}")
 
 
-# Masters registered by zrw.optim.MasterWeights: weight -> its FP32 master (weakly keyed).
-_masters: "weakref.WeakKeyDictionary[Tensor, Tensor]"
-import weakref  # noqa: E402
+# Masters registered by zrw.optim.MasterWeights: weight -> its FP32 master, keyed weakly by
+# identity (a WeakKeyDictionary would compare tensors with ==, elementwise).
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
-_masters = weakref.WeakKeyDictionary()
+_masters = WeakIdKeyDictionary()
 
 
 def register_master(weight: Tensor, master: Tensor) -> None:
@@ -239,7 +239,7 @@ def restore(w: Tensor, fill: str = "master") -> bool:
     """
     _check_fill("zrw.ops.restore", fill)
     if fill == "master":
-        if torch.ops.zrw.cache_state(w) != 2:
+        if torch.ops.zrw.cache_state(w) < 2:
             return False
         master = _masters.get(w)
         if master is None:
@@ -263,18 +263,20 @@ def restore_all(fill: str = "empty") -> int:
         return torch.ops.zrw.restore_all(fill)
     n = 0
     for w in list(_masters.keys()):
-        n += bool(restore(w, "master"))
+        if torch.ops.zrw.cache_state(w) == 2:  # released this step; frozen (3) ones stay FP8
+            n += bool(restore(w, "master"))
     return n + torch.ops.zrw.restore_all("dequant")
 
 
 def cache_state(w: Tensor) -> int:
-    """0: w has no cache entry; 1: its FP8 copy is cached; 2: cached and its storage released."""
+    """0: w has no cache entry; 1: its FP8 copy is cached; 2: cached and its storage released
+    until the optimizer boundary; 3: released for good (a frozen weight, release_frozen)."""
     return torch.ops.zrw.cache_state(w)
 
 
 def is_released(w: Tensor) -> bool:
     """Whether w's BF16 storage is currently released by zrw."""
-    return torch.ops.zrw.cache_state(w) == 2
+    return torch.ops.zrw.cache_state(w) >= 2
 
 
 def is_cached(w: Tensor) -> bool:

@@ -3,7 +3,9 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "linear": "zrw.bench.linear",
     "quant": "zrw.bench.quant",
+    "cache": "zrw.bench.cache",
 }
 
 
