@@ -2,13 +2,18 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace zrw::memory {
 namespace {
 
+// Data pointers stay "simple" (context == data), as c10's CPU allocator's are: torch code such as
+// oneDNN's raw_allocate asserts it. So the size of each live block is kept in a table keyed by
+// its address, and the free looks it up.
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
@@ -17,13 +22,24 @@ class CountingAllocator final : public c10::Allocator {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
     const c10::Device device = inner.device();
+    if (data == nullptr) return inner;  // zero-byte allocations carry nothing to count
+    TORCH_CHECK(inner.get_context() == data,
+                "zrw.memory: the CPU allocator being wrapped returns non-simple data pointers; "
+                "the counting allocator cannot wrap it");
+    c10::DeleterFnPtr base_deleter = inner.get_deleter();
+    inner.release_context();  // ownership moves to this allocator's table
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_[data] = Block{n, base_deleter};
+    }
     const int64_t now = current_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    // The context owns the base allocation and remembers its size for the free.
-    return {data, new Block{std::move(inner), n, this}, &free_block, device};
+    return {data, data, &free_block, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -33,26 +49,38 @@ class CountingAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
 
+  static void free_block(void* ptr);
+
  private:
   struct Block {
-    c10::DataPtr inner;
     size_t nbytes;
-    CountingAllocator* owner;
+    c10::DeleterFnPtr base_deleter;
   };
 
-  static void free_block(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    b->owner->current_.fetch_sub(static_cast<int64_t>(b->nbytes));
-    delete b;  // frees the base allocation
-  }
-
   c10::Allocator* base_;
+  std::mutex mu_;
+  std::unordered_map<void*, Block> live_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
 };
 
 std::mutex g_mu;
 CountingAllocator* g_allocator = nullptr;  // never destroyed: blocks may outlive everything
+
+void CountingAllocator::free_block(void* ptr) {
+  if (ptr == nullptr) return;
+  CountingAllocator* self = g_allocator;
+  Block block{};
+  {
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->live_.find(ptr);
+    TORCH_INTERNAL_ASSERT(it != self->live_.end(), "zrw.memory: freeing an unknown block");
+    block = it->second;
+    self->live_.erase(it);
+  }
+  self->current_.fetch_sub(static_cast<int64_t>(block.nbytes));
+  block.base_deleter(ptr);
+}
 
 }  // namespace
 
