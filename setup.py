@@ -1,7 +1,8 @@
 """Thin driver of CMake: configure, build and place zrw._C next to the Python package.
 
 Everything about the build graph lives in CMakeLists.txt. This file only passes what Python
-knows: torch's include and library directories, its C++ ABI flag and whether it has CUDA.
+knows: torch's include and library directories, its C++ ABI flag, whether it has CUDA and
+whether torch_npu imports.
 Build against the installed torch with `pip install --no-build-isolation .` (or `-e .`).
 """
 import os
@@ -22,36 +23,53 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        try:
-            import torch
-            from torch.utils import cpp_extension
-        except ImportError as e:  # pragma: no cover - a build-time message
-            raise RuntimeError(
-                "zrw builds against the installed torch: install torch first "
-                "(pip install torch==2.13.0) and build with --no-build-isolation"
-            ) from e
-
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(self.build_temp).resolve() / ext.name
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
-        args = [
-            f"-DCMAKE_BUILD_TYPE={cfg}",
-            f"-DPython3_EXECUTABLE={sys.executable}",
-            "-DZRW_TORCH_INCLUDE_DIRS=" + ";".join(cpp_extension.include_paths()),
-            f"-DZRW_TORCH_LIBRARY_DIR={Path(torch.__file__).parent / 'lib'}",
-            f"-DZRW_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f"-DZRW_TORCH_CUDA={torch.version.cuda or ''}",
-            f"-DZRW_OUTPUT_DIR={out_dir}",
-        ]
-        for opt in ("ZRW_CUDA", "ZRW_NPU"):
-            if os.environ.get(opt):
-                args.append(f"-D{opt}={os.environ[opt]}")
+        args = cmake_args(out_dir, cfg)
         generator = ["-G", "Ninja"] if _have("ninja") else []
         subprocess.run(["cmake", str(ROOT), *generator, *args], cwd=build_dir, check=True)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_dir,
                        check=True)
+
+
+def cmake_args(out_dir, cfg: str = "Release") -> list:
+    """The -D arguments of the CMake configure step: what only Python knows, plus the ZRW_CUDA /
+    ZRW_NPU options from the environment. A function so that tests can configure with them."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:  # pragma: no cover - a build-time message
+        raise RuntimeError(
+            "zrw builds against the installed torch: install torch first "
+            "(pip install torch==2.13.0) and build with --no-build-isolation"
+        ) from e
+
+    args = [
+        f"-DCMAKE_BUILD_TYPE={cfg}",
+        f"-DPython3_EXECUTABLE={sys.executable}",
+        "-DZRW_TORCH_INCLUDE_DIRS=" + ";".join(cpp_extension.include_paths()),
+        f"-DZRW_TORCH_LIBRARY_DIR={Path(torch.__file__).parent / 'lib'}",
+        f"-DZRW_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DZRW_TORCH_CUDA={torch.version.cuda or ''}",
+        f"-DZRW_TORCH_NPU={_torch_npu_version()}",
+        f"-DZRW_OUTPUT_DIR={out_dir}",
+    ]
+    for opt in ("ZRW_CUDA", "ZRW_NPU"):
+        if os.environ.get(opt):
+            args.append(f"-D{opt}={os.environ[opt]}")
+    return args
+
+
+def _torch_npu_version() -> str:
+    """torch_npu's version if it imports here, else "" (CMake's ZRW_NPU decision needs it)."""
+    try:
+        import torch_npu
+    except Exception:  # ImportError, or an OSError/RuntimeError from CANN libraries not on the path
+        return ""
+    return str(getattr(torch_npu, "__version__", "unknown"))
 
 
 def _have(tool: str) -> bool:
@@ -60,7 +78,8 @@ def _have(tool: str) -> bool:
     return which(tool) is not None
 
 
-setup(
-    ext_modules=[CMakeExtension("zrw._C")],
-    cmdclass={"build_ext": CMakeBuild},
-)
+if __name__ == "__main__":  # pip runs setup.py as __main__; tests import cmake_args from it
+    setup(
+        ext_modules=[CMakeExtension("zrw._C")],
+        cmdclass={"build_ext": CMakeBuild},
+    )

@@ -21,5 +21,6 @@ from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .ops import MXWeight, no_release  # noqa: E402,F401
 from . import memory, nn, optim  # noqa: E402,F401
 from .nn import convert  # noqa: E402,F401
+from .backends import backends  # noqa: E402,F401
 
 __version__ = "0.1.0"

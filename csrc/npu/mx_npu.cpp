@@ -1,0 +1,347 @@
+// The NPU adapter: zrw's MX ops for the PrivateUse1 key (Ascend NPUs under torch_npu), built on
+// torch_npu's MX operators, which are called through the dispatcher (npu_operator.h) so that this
+// file needs no torch_npu or CANN headers and builds into zrw._C everywhere. The kernels return
+// exactly what the CPU kernels return (DESIGN.md §3): torch_npu's paired uint8 scales are
+// converted to zrw's canonical float8_e8m0fnu ones inside each kernel (mx_layout.h), and back for
+// npu_quant_matmul.
+//
+// Copies, unlike the CPU emulation (whose mx_matmul never copies an FP8 operand):
+//  - npu_quant_matmul in MX mode needs K % 64 == 0, so for other K both FP8 operands are copied
+//    into zero-padded ones (zero elements add nothing whatever their scale). For K % 64 == 0 the
+//    row-major operands and the .t() views training passes (W_bwd.t(), Q_M(dy).t(), Q_M(x).t())
+//    go to the operator as they are, as operands with the transpose attribute; any other strided
+//    operand is made contiguous first.
+//  - every call converts the scales it passes or returns (1/32 of the data) between layouts.
+//
+// Every kernel looks its torch_npu operator up before touching a tensor, so without torch_npu the
+// first error is the one that says which operator and which torch_npu are needed.
+//
+// Verified only on CPU, against stand-in npu:: operators built from the documented semantics
+// (tests/npu); nothing here has run on an NPU (docs/npu.md).
+#include "mx_npu.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/mx_format.h"
+#include "mx_layout.h"
+#include "npu_operator.h"
+
+namespace zrw::npu {
+namespace {
+
+using mx::kBlock;
+using mx::ScaleMode;
+
+// torch_npu's dtype codes (reference notes §1.2): below 256 they are PyTorch ScalarType values;
+// 293 is torch_npu.float8_e8m0fnu (256 + ACL_FLOAT8_E8M0), which tells npu_quant_matmul that its
+// uint8 scales hold E8M0 bytes.
+constexpr int64_t kNpuFloat8E8M0 = 293;
+static_assert(static_cast<int>(at::ScalarType::Float8_e5m2) == 23 &&
+                  static_cast<int>(at::ScalarType::Float8_e4m3fn) == 24 &&
+                  static_cast<int>(at::ScalarType::BFloat16) == 15 &&
+                  static_cast<int>(at::ScalarType::Half) == 5 &&
+                  static_cast<int>(at::ScalarType::Float) == 6,
+              "torch_npu's dtype codes below 256 are these ScalarType values");
+
+int64_t dtype_code(at::ScalarType t) { return static_cast<int64_t>(t); }
+
+// scale_alg: 0 is the OCP floor rule, 1 the cuBLAS-style rounded-up exponent (= zrw's rceil).
+int64_t scale_alg(ScaleMode mode) { return mode == ScaleMode::Floor ? 0 : 1; }
+
+// npu_quant_matmul in MX mode: two 32-blocks per scale pair, so K must be a multiple of 64.
+constexpr int64_t kMatmulKAlign = 64;
+
+void check_same_device(const char* op, const char* arg, const at::Tensor& t, const char* ref_arg,
+                       const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " must be on the device of ", ref_arg,
+              " (", ref.device(), "), got a tensor on ", t.device());
+}
+
+void check_scale_matches(const char* op, const char* data_arg, const char* scale_arg,
+                         const at::Tensor& data, const at::Tensor& scale, int64_t dim) {
+  const auto expected = checks::scale_shape_along(data.sizes(), dim);
+  TORCH_CHECK_VALUE(scale.sizes().vec() == expected, op, ": ", scale_arg, " must have shape ",
+                    at::IntArrayRef(expected), " for ", data_arg, " of shape ", data.sizes(),
+                    " blocked along dim ", dim, ", got ", scale.sizes());
+}
+
+// What an npu:: operator returned, checked before zrw trusts it: a torch_npu that ignored
+// dst_type (FP4 comes back as uint8 of half the width) or changed a layout fails here, naming the
+// operator, instead of corrupting what comes after.
+void check_outputs(const char* op, const char* npu_op, const std::vector<c10::IValue>& out,
+                   size_t n) {
+  bool ok = out.size() == n;
+  for (const auto& v : out) ok = ok && v.isTensor();
+  TORCH_CHECK(ok, op, ": npu::", npu_op, " returned ", out.size(), " values, expected ", n,
+              " tensors. zrw needs ", kTorchNpuNeeded);
+}
+
+at::Tensor returned(const char* op, const char* npu_op, const char* what, const c10::IValue& v,
+                    at::ScalarType dtype, at::IntArrayRef shape) {
+  at::Tensor t = v.toTensor();
+  TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == shape, op, ": npu::", npu_op, " returned ",
+              what, " of dtype ", t.scalar_type(), " and shape ", t.sizes(), ", expected ", dtype,
+              " and ", shape, ". zrw needs ", kTorchNpuNeeded);
+  return t;
+}
+
+// torch_npu returns scales as uint8 (every documented release); float8_e8m0fnu is taken too.
+at::Tensor returned_scale(const char* op, const char* npu_op, const char* what,
+                          const c10::IValue& v, at::IntArrayRef shape) {
+  at::Tensor t = v.toTensor();
+  TORCH_CHECK((t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e8m0fnu) &&
+                  t.sizes() == shape,
+              op, ": npu::", npu_op, " returned ", what, " of dtype ", t.scalar_type(),
+              " and shape ", t.sizes(), ", expected torch.uint8 pairs of shape ", shape,
+              ". zrw needs ", kTorchNpuNeeded);
+  return t;
+}
+
+at::Tensor empty_scale(at::IntArrayRef shape, const at::Tensor& like) {
+  return at::empty(shape, like.options().dtype(at::kFloat8_e8m0fnu));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization.
+
+// One-axis quantization with npu_dynamic_mx_quant. x is handed over as (outer, D) blocked along
+// -1 or (outer, D, inner) blocked along -2, the two documented cases of the operator (reference
+// notes §1.3), which also keeps any rank within its 1-7 dims.
+std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tensor& x, int64_t d,
+                                                  at::ScalarType elem_dtype, ScaleMode mode) {
+  constexpr const char* npu_name = "npu_dynamic_mx_quant";
+  NpuOperator npu_op(op, npu_name);
+  const auto scale_shape = checks::scale_shape_along(x.sizes(), d);
+  if (x.numel() == 0) {
+    return {at::empty(x.sizes(), x.options().dtype(elem_dtype)), empty_scale(scale_shape, x)};
+  }
+  const int64_t D = x.size(d), blocks = mx::ceil_div(D, kBlock);
+  int64_t outer = 1, inner = 1;
+  for (int64_t i = 0; i < d; ++i) outer *= x.size(i);
+  for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
+  const bool tail = inner == 1;
+  const std::vector<int64_t> shape = tail ? std::vector<int64_t>{outer, D}
+                                          : std::vector<int64_t>{outer, D, inner};
+  std::vector<int64_t> canonical = shape;
+  canonical[1] = blocks;
+  const int64_t axis = tail ? -1 : -2;
+
+  const auto out = npu_op.arg("input", x.reshape(shape))
+                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
+                       .arg_or_default("axis", axis, axis == -1)
+                       .arg_or_default("round_mode", std::string("rint"), true)
+                       .arg_or_default("block_size", kBlock, true)
+                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
+                       .call();
+  check_outputs(op, npu_name, out, 2);
+  const at::Tensor data = returned(op, npu_name, "data", out[0], elem_dtype, shape);
+  const at::Tensor paired =
+      returned_scale(op, npu_name, "the scale", out[1], paired_scale_shape(canonical, 1));
+  return {data.reshape(x.sizes()), scale_from_paired(paired, 1, blocks).reshape(scale_shape)};
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_npu(const at::Tensor& x, int64_t dim,
+                                                    at::ScalarType elem_dtype,
+                                                    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize";
+  checks::check_float_input(op, "x", x);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const int64_t d = checks::wrap_dim(op, "x", dim, x.dim());
+  return quantize_along(op, x, d, elem_dtype, mode);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
+    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual";
+  constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
+  checks::check_float_input(op, "w", w);
+  checks::check_weight_rank(op, w);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const int64_t nd = w.dim();
+
+  if (w.scalar_type() == at::kFloat) {
+    // The dual-axis operator takes float16/bfloat16 only; the one-axis one takes float32 too.
+    // Two calls read w twice but give the same bytes.
+    auto [data_fwd, scale_fwd] = quantize_along(op, w, nd - 1, elem_dtype, mode);
+    auto [data_bwd, scale_bwd] = quantize_along(op, w, nd - 2, elem_dtype, mode);
+    return {data_fwd, scale_fwd, data_bwd, scale_bwd};
+  }
+
+  NpuOperator npu_op(op, npu_name);
+  const auto fwd_shape = checks::scale_shape_along(w.sizes(), nd - 1);
+  const auto bwd_shape = checks::scale_shape_along(w.sizes(), nd - 2);
+  const auto fp8 = w.options().dtype(elem_dtype);
+  if (w.numel() == 0) {
+    return {at::empty(w.sizes(), fp8), empty_scale(fwd_shape, w), at::empty(w.sizes(), fp8),
+            empty_scale(bwd_shape, w)};
+  }
+  const auto out = npu_op.arg("input", w)
+                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
+                       .arg_or_default("round_mode", std::string("rint"), true)
+                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
+                       .call();
+  check_outputs(op, npu_name, out, 4);
+  // y1/mxscale1 are blocked along -1 (K: forward), y2/mxscale2 along -2 (N: backward).
+  const at::Tensor data_fwd = returned(op, npu_name, "y1", out[0], elem_dtype, w.sizes());
+  const at::Tensor s1 =
+      returned_scale(op, npu_name, "mxscale1", out[1], paired_scale_shape(fwd_shape, nd - 1));
+  const at::Tensor data_bwd = returned(op, npu_name, "y2", out[2], elem_dtype, w.sizes());
+  const at::Tensor s2 =
+      returned_scale(op, npu_name, "mxscale2", out[3], paired_scale_shape(bwd_shape, nd - 2));
+  return {data_fwd, scale_from_paired(s1, nd - 1, fwd_shape[nd - 1]), data_bwd,
+          scale_from_paired(s2, nd - 2, bwd_shape[nd - 2])};
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
+                                                          at::ScalarType elem_dtype,
+                                                          c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_block";
+  constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
+  checks::check_float_input(op, "w", w);
+  checks::check_weight_rank(op, w);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  TORCH_CHECK_TYPE(w.scalar_type() != at::kFloat, op,
+                   ": on NPU, w must be torch.bfloat16 or torch.float16 (torch_npu's ", npu_name,
+                   " takes no float32), got torch.float32: cast the weight first, or use the "
+                   "\"mxfp8\" recipe, which takes float32 on NPU too");
+
+  NpuOperator npu_op(op, npu_name);
+  const int64_t nd = w.dim(), N = w.size(nd - 2), K = w.size(nd - 1);
+  const auto fwd_shape = checks::scale_shape_along(w.sizes(), nd - 1);  // (..., N, KB)
+  const auto bwd_shape = checks::scale_shape_along(w.sizes(), nd - 2);  // (..., NB, K)
+  std::vector<int64_t> block_shape = fwd_shape;
+  block_shape[nd - 2] = mx::ceil_div(N, kBlock);
+  if (w.numel() == 0) {
+    return {at::empty(w.sizes(), w.options().dtype(elem_dtype)), empty_scale(block_shape, w)};
+  }
+  const auto out = npu_op.arg("input", w)
+                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
+                       .arg_or_default("round_mode", std::string("rint"), true)
+                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
+                       .call();
+  check_outputs(op, npu_name, out, 3);
+  const at::Tensor data = returned(op, npu_name, "y", out[0], elem_dtype, w.sizes());
+  const at::Tensor s1 =
+      returned_scale(op, npu_name, "scale1", out[1], paired_scale_shape(fwd_shape, nd - 1));
+  returned_scale(op, npu_name, "scale2", out[2], paired_scale_shape(bwd_shape, nd - 2));
+  // scale1 is each tile's scale broadcast over the tile's 32 rows (scale2 over its 32 columns,
+  // the same bytes): the block scale is every 32nd row of scale1.
+  const at::Tensor rows = scale_from_paired(s1, nd - 1, mx::ceil_div(K, kBlock)).view(at::kByte);
+  return {data, rows.slice(nd - 2, 0, N, kBlock).contiguous().view(at::kFloat8_e8m0fnu)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization: ATen ops, exact like the CPU kernel. The element in fp32 times 2^(byte - 127)
+// built from its bit pattern (byte << 23; byte 0 is the fp32 subnormal 2^-127, 0xFF NaN): an
+// IEEE fp32 product rounds the exact product once, as the reference does, then to out_dtype.
+// (An NPU that flushed fp32 subnormals would differ for scale byte 0; unverified.) torch_npu's
+// npu_anti_mx_quant would do it in one kernel, but the reference notes give only its schema,
+// not its layout or rounding (docs/npu.md).
+
+at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
+                             at::ScalarType out_dtype) {
+  constexpr const char* op = "zrw.mx_dequantize";
+  checks::check_elem_dtype(op, "data", data.scalar_type());
+  checks::check_scale_dtype(op, "scale", scale);
+  checks::check_out_dtype(op, out_dtype);
+  check_same_device(op, "scale", scale, "data", data);
+  const int64_t d = checks::wrap_dim(op, "data", dim, data.dim());
+  check_scale_matches(op, "data", "scale", data, scale, d);
+  if (data.numel() == 0) return at::empty(data.sizes(), data.options().dtype(out_dtype));
+
+  const at::Tensor bytes = scale.view(at::kByte).to(at::kInt);
+  at::Tensor bits = at::bitwise_left_shift(bytes, 23);
+  bits = at::where(bytes == 0, 0x00400000, bits);         // 2^-127
+  bits = at::where(bytes == mx::kScaleNaN, 0x7FC00000, bits);  // NaN
+  const at::Tensor factor =
+      bits.view(at::kFloat).repeat_interleave(kBlock, d).narrow(d, 0, data.size(d));
+  return (data.to(at::kFloat) * factor).to(out_dtype).contiguous();
+}
+
+// ---------------------------------------------------------------------------------------------
+// mx_matmul on npu_quant_matmul in MX mode (group_sizes [1, 1, 32]).
+
+struct NpuOperand {
+  at::Tensor data;    // (R, k_padded), row-major or column-major
+  at::Tensor paired;  // (R, k_padded / 64, 2), with the same transpose attribute as data
+};
+
+// An operand as zrw passes it, (R, K) blocked along K with scale (R, ceil(K/32)), as
+// npu_quant_matmul takes it. A column-major operand is the .t() of a tensor blocked along dim 0,
+// whose paired scale (P, R, 2) is built along that dim and transposed back, so that data and
+// scale share the transpose attribute (op-plugin refuses "Input x2 tensor and scale tensor's
+// transpose are not same"). The scale needs no padding: ceil(K/32) blocks pair up into
+// ceil(K/64) = k_padded/64 pairs, and an odd count's pad byte, 0x00, scales zero elements only.
+// Strides are made standard (with_standard_strides) so that op-plugin, which reads the attribute
+// from them, sees what zrw decided even where a size-1 dim leaves contiguity ambiguous.
+NpuOperand npu_operand(const at::Tensor& data, const at::Tensor& scale, int64_t k_padded) {
+  const bool col_major = is_column_major(data);
+  const at::Tensor d = col_major ? with_standard_strides(data.t()).t()
+                                 : with_standard_strides(data.contiguous());
+  const at::Tensor paired =
+      col_major ? scale_to_paired(scale.t(), 0).transpose(0, 1) : scale_to_paired(scale, 1);
+  return {pad_k(d, k_padded), paired};
+}
+
+at::Tensor mx_matmul_npu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                         const at::Tensor& b_scale, at::ScalarType out_dtype) {
+  constexpr const char* op = "zrw.mx_matmul";
+  constexpr const char* npu_name = "npu_quant_matmul";
+  checks::check_elem_dtype(op, "a", a.scalar_type());
+  checks::check_elem_dtype(op, "b", b.scalar_type());
+  checks::check_scale_dtype(op, "a_scale", a_scale);
+  checks::check_scale_dtype(op, "b_scale", b_scale);
+  checks::check_out_dtype(op, out_dtype);
+  check_same_device(op, "a_scale", a_scale, "a", a);
+  check_same_device(op, "b", b, "a", a);
+  check_same_device(op, "b_scale", b_scale, "a", a);
+  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-d (M, K), got shape ", a.sizes());
+  TORCH_CHECK_VALUE(b.dim() == 2, op, ": b must be 2-d (N, K), got shape ", b.sizes());
+  TORCH_CHECK_VALUE(a.size(1) == b.size(1), op,
+                    ": a (M, K) and b (N, K) must share K (both blocked along K), got a ",
+                    a.sizes(), " and b ", b.sizes());
+  check_scale_matches(op, "a", "a_scale", a, a_scale, 1);
+  check_scale_matches(op, "b", "b_scale", b, b_scale, 1);
+
+  NpuOperator npu_op(op, npu_name);
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  if (M == 0 || N == 0 || K == 0) return at::zeros({M, N}, a.options().dtype(out_dtype));
+  const int64_t k_padded = mx::ceil_div(K, kMatmulKAlign) * kMatmulKAlign;
+  const NpuOperand x1 = npu_operand(a, a_scale, k_padded);
+  const NpuOperand w = npu_operand(b, b_scale, k_padded);
+  // out = x1 (M, K) @ x2 (K, N) with x2 = b.t(), whose scale (K/64, N, 2) is b's paired scale
+  // transposed: data and scale flip their transpose attribute together.
+  const auto out = npu_op.arg("x1", x1.data)
+                       .arg("x2", w.data.t())
+                       .arg("scale", w.paired.transpose(0, 1))
+                       .arg("pertoken_scale", x1.paired)
+                       .arg("output_dtype", dtype_code(out_dtype))
+                       .arg("scale_dtype", kNpuFloat8E8M0)
+                       .arg("pertoken_scale_dtype", kNpuFloat8E8M0)
+                       .arg("group_sizes", std::vector<int64_t>{1, 1, kBlock})
+                       .call();
+  check_outputs(op, npu_name, out, 1);
+  return returned(op, npu_name, "the product", out[0], out_dtype, {M, N});
+}
+
+}  // namespace
+
+void impl_mx_npu_kernels(torch::Library& m) {
+  m.impl("mx_quantize", &mx_quantize_npu);
+  m.impl("mx_quantize_dual", &mx_quantize_dual_npu);
+  m.impl("mx_quantize_block", &mx_quantize_block_npu);
+  m.impl("mx_dequantize", &mx_dequantize_npu);
+  m.impl("mx_matmul", &mx_matmul_npu);
+}
+
+}  // namespace zrw::npu
+
+TORCH_LIBRARY_IMPL(zrw, PrivateUse1, m) { zrw::npu::impl_mx_npu_kernels(m); }

@@ -1,0 +1,89 @@
+"""Which backends and kernels this build of zrw has, and which can run in this process.
+
+``zrw.backends()`` answers from the dispatcher and the installed modules, never from whether a
+device is visible (DESIGN.md §2):
+
+* ``cpu``: always built; the reference backend. ``isa`` is the instruction set of the CPU
+  quantization kernel in use (``zrw._C.cpu_isa()``).
+* ``cuda``: no CUDA kernels exist yet; listed so that the answer has the same keys everywhere.
+* ``npu``: the adapter (PrivateUse1 kernels that call torch_npu's MX operators, csrc/npu) is built
+  into ``zrw._C`` on every machine; it can run only where torch_npu provides those operators for
+  the NPU, which ``operators`` reports one by one. ``native`` says whether the separate target
+  ``zrw._C_npu`` (native Ascend C kernels, CMake option ``ZRW_NPU``) was built.
+"""
+
+import importlib.util
+import sys
+
+import torch
+
+from . import _C
+
+MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_dequantize", "mx_matmul")
+
+# torch_npu's operators that the NPU adapter calls, with the zrw ops that call them.
+NPU_OPERATORS = {
+    "npu_dynamic_mx_quant": ("mx_quantize", "mx_quantize_dual (float32 weights)"),
+    "npu_dynamic_mx_quant_with_dual_axis": ("mx_quantize_dual",),
+    "npu_dynamic_block_mx_quant": ("mx_quantize_block",),
+    "npu_quant_matmul": ("mx_matmul",),
+}
+
+
+def _kernels(dispatch_key):
+    return [
+        op
+        for op in MX_OPS
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"zrw::{op}", dispatch_key)
+    ]
+
+
+def _npu_operator_available(name):
+    """Whether npu::<name> is registered with a kernel for the NPU (PrivateUse1) key."""
+    qualname = f"npu::{name}"
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualname, "")
+    except RuntimeError:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "PrivateUse1")
+
+
+def _torch_npu():
+    """torch_npu's version if it has been imported (zrw never imports it), else None."""
+    module = sys.modules.get("torch_npu")
+    return None if module is None else str(getattr(module, "__version__", "unknown"))
+
+
+def _native_npu():
+    if importlib.util.find_spec("zrw._C_npu") is None:
+        return {"built": False, "kernels": []}
+    from . import _C_npu
+
+    return {"built": True, "kernels": list(_C_npu.native_kernels())}
+
+
+def backends():
+    """Which backends and kernels are available.
+
+    Returns:
+        a dict with one entry per backend (``"cpu"``, ``"cuda"``, ``"npu"``), each a dict with
+        ``available`` (bool: zrw's MX ops can run on that device in this process) and ``kernels``
+        (the zrw MX ops with a kernel for that device in this build), plus:
+        ``cpu["isa"]``; ``npu["torch_npu"]`` (its version if imported, else None),
+        ``npu["operators"]`` ({torch_npu operator: available for the NPU}) and ``npu["native"]``
+        ({"built": bool, "kernels": [...]}, the ``zrw._C_npu`` target).
+    """
+    npu_kernels = _kernels("PrivateUse1")
+    operators = {name: _npu_operator_available(name) for name in NPU_OPERATORS}
+    return {
+        "cpu": {"available": True, "kernels": _kernels("CPU"), "isa": _C.cpu_isa()},
+        "cuda": {"available": bool(_kernels("CUDA")), "kernels": _kernels("CUDA")},
+        "npu": {
+            # mx_dequantize needs no torch_npu operator, the other four do.
+            "available": bool(npu_kernels) and all(operators.values()),
+            "kernels": npu_kernels,
+            "torch_npu": _torch_npu(),
+            "operators": operators,
+            "native": _native_npu(),
+        },
+    }

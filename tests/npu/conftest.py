@@ -1,0 +1,34 @@
+"""Fixtures of the NPU adapter tests: stand-in torch_npu operators, one fixture per schema variant.
+
+The adapter's kernels are reached on CPU through the test-only mirror namespace
+``torch.ops.zrw_npu_test`` (same kernel functions, CPU key; csrc/npu/npu_test_ops.cpp says why).
+"""
+
+import pytest
+import torch
+
+import zrw  # noqa: F401  (loads zrw._C: the zrw and zrw_npu_test ops)
+from npu_standins import SCHEMAS, StandIns
+
+VARIANTS = ("26.0.0", "current")
+
+
+@pytest.fixture(params=VARIANTS)
+def npu_ops(request):
+    """The stand-in operators with the schemas of torch_npu 26.0.0, then of the current one."""
+    with StandIns(SCHEMAS[request.param]) as ops:
+        ops.variant = request.param
+        yield ops
+
+
+@pytest.fixture
+def npu_current():
+    """One variant, for tests whose subject is not the schema."""
+    with StandIns(SCHEMAS["current"]) as ops:
+        yield ops
+
+
+@pytest.fixture
+def adapter():
+    """The adapter's kernels, as CPU ops of the mirror namespace."""
+    return torch.ops.zrw_npu_test

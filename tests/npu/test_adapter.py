@@ -1,0 +1,343 @@
+"""The NPU adapter, driven by the stand-in torch_npu operators, gives zrw's canonical results.
+
+Every result is compared bit for bit with ``zrw.reference`` (the elements of 0xFF blocks aside,
+which the spec leaves unspecified and the stand-ins, like torch_npu's golden, write as +0), for
+both recipes (dual-axis ``mxfp8`` and ``mxfp8-32x32``), both scale rules (``scale_alg`` 0 and 1)
+and both fp8 formats, under the 26.0.0 and the current schemas (the ``npu_ops`` fixture).
+
+The adapter's kernels are reached through ``torch.ops.zrw_npu_test``: the same C++ functions that
+zrw registers for PrivateUse1, registered for CPU in a mirror namespace (csrc/npu/npu_test_ops.cpp
+says why). The last tests check that mirror against zrw's own registrations.
+"""
+
+import pytest
+import torch
+
+import zrw  # noqa: F401
+from npu_standins import torch_npu_loaded
+from zrw import reference as ref
+
+E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
+U8 = torch.uint8
+MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_dequantize", "mx_matmul")
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def weights(shape, dtype=torch.bfloat16, seed=0, specials=True):
+    """randn spread over 2^-8..2^8 by element, and, with specials, the cases that pick scales
+    differently: an all-zero slab, +-max of both formats, values past rceil's threshold, fp32
+    subnormals (0 in bf16/fp16), a huge value, +inf and NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-8, 9, shape, generator=gen))
+    if specials and x.numel() >= 64:
+        flat = x.view(-1)
+        flat[:40] = 0.0
+        values = [448.0, -57344.0, 480.0, 1.9, 1e-40, 3e30 if dtype == torch.float32 else 6e4,
+                  float("inf"), float("nan")]
+        positions = torch.randperm(flat.numel() - 40, generator=gen)[: len(values)] + 40
+        for p, v in zip(positions.tolist(), values):
+            flat[p] = v
+    return x.to(dtype)
+
+
+def nan_block_mask(scale, dim, length):
+    """Elements of blocks whose scale byte is 0xFF (unspecified bytes, masked in comparisons)."""
+    nan = scale.view(U8) == ref.E8M0_NAN_BYTE
+    return nan.repeat_interleave(ref.BLOCK, dim).narrow(dim, 0, length)
+
+
+def assert_same_mx(got, expected, dim, what=""):
+    (data, scale), (ref_data, ref_scale) = got, expected
+    assert data.dtype == ref_data.dtype and data.shape == ref_data.shape, what
+    assert scale.dtype == E8M0 and scale.shape == ref_scale.shape, what
+    assert scale.is_contiguous(), what
+    assert torch.equal(scale.view(U8), ref_scale.view(U8)), f"{what}: scale bytes differ"
+    keep = ~nan_block_mask(ref_scale, dim % data.dim(), data.shape[dim])
+    assert torch.equal(data.view(U8)[keep], ref_data.view(U8)[keep]), f"{what}: data bytes differ"
+
+
+def assert_bitwise_equal(got, expected, what=""):
+    """Equal bits, NaN where NaN (a NaN's payload aside)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape, what
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    as_int = bits[got.dtype]
+    assert torch.equal(got.view(as_int)[~nan], expected.view(as_int)[~nan]), f"{what}: bits differ"
+
+
+ELEMS = [E4M3, E5M2]
+MODES = ["floor", "rceil"]
+
+# ------------------------------------------------------------------------------------------------
+# one-axis quantization: npu_dynamic_mx_quant
+
+QUANTIZE_CASES = [
+    ((64, 128), -1),  # aligned, blocks along the tail (2-d, axis -1)
+    ((5, 70), -1),  # 3 blocks: an odd count, a partial block
+    ((96, 6), 0),  # along dim 0 of a matrix (axis -2)
+    ((3, 40, 33), 1),  # 3-d, middle axis
+    ((2, 3, 96), 0),  # 3-d, leading axis
+    ((100,), 0),  # 1-d
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
+@pytest.mark.parametrize("case", QUANTIZE_CASES, ids=lambda c: f"{c[0]}-dim{c[1]}")
+def test_mx_quantize(npu_ops, adapter, case, elem, mode):
+    shape, dim = case
+    x = weights(shape, seed=len(shape) + dim)
+    got = adapter.mx_quantize(x, dim, elem, mode)
+    assert_same_mx(got, ref.mx_quantize(x, dim, elem, mode), dim, f"{shape} dim {dim}")
+    call = npu_ops.last("npu_dynamic_mx_quant")
+    assert call["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+def test_mx_quantize_other_input_dtypes(npu_current, adapter, dtype):
+    x = weights((33, 96), dtype)
+    for dim in (-1, 0):
+        got = adapter.mx_quantize(x, dim, E4M3, "floor")
+        assert_same_mx(got, ref.mx_quantize(x, dim, E4M3, "floor"), dim)
+
+
+def test_mx_quantize_non_contiguous_input(npu_current, adapter):
+    x = weights((96, 70)).t()  # (70, 96) view
+    expected = ref.mx_quantize(x, 1, E4M3, "floor")
+    assert_same_mx(adapter.mx_quantize(x, 1, E4M3, "floor"), expected, 1)
+
+
+def test_mx_quantize_empty(npu_current, adapter):
+    data, scale = adapter.mx_quantize(torch.empty(0, 64, dtype=torch.bfloat16), -1, E4M3, "floor")
+    assert data.shape == (0, 64) and scale.shape == (0, 2) and scale.dtype == E8M0
+    assert not npu_current.calls  # nothing to hand to the operator
+
+
+# ------------------------------------------------------------------------------------------------
+# dual-axis (mxfp8): npu_dynamic_mx_quant_with_dual_axis
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(96, 70), (64, 128), (2, 40, 96)], ids=str)
+def test_mx_quantize_dual(npu_ops, adapter, shape, elem, mode):
+    w = weights(shape, seed=shape[-1])
+    data_fwd, scale_fwd, data_bwd, scale_bwd = adapter.mx_quantize_dual(w, elem, mode)
+    rf = ref.mx_quantize_dual(w, elem, mode)
+    assert_same_mx((data_fwd, scale_fwd), rf[0:2], -1, "fwd")
+    assert_same_mx((data_bwd, scale_bwd), rf[2:4], -2, "bwd")
+    call = npu_ops.last("npu_dynamic_mx_quant_with_dual_axis")
+    assert call["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
+
+
+def test_mx_quantize_dual_float32_takes_two_one_axis_calls(npu_current, adapter):
+    # The dual-axis operator takes fp16/bf16 only; fp32 goes through the one-axis operator twice.
+    w = weights((2, 40, 96), torch.float32)
+    got = adapter.mx_quantize_dual(w, E4M3, "rceil")
+    rf = ref.mx_quantize_dual(w, E4M3, "rceil")
+    assert_same_mx(got[0:2], rf[0:2], -1)
+    assert_same_mx(got[2:4], rf[2:4], -2)
+    assert [op for op, _ in npu_current.calls] == ["npu_dynamic_mx_quant"] * 2
+
+
+# ------------------------------------------------------------------------------------------------
+# 32x32 blocks (mxfp8-32x32): npu_dynamic_block_mx_quant
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(70, 96), (64, 128), (2, 33, 64)], ids=str)
+def test_mx_quantize_block(npu_ops, adapter, shape, elem, mode):
+    w = weights(shape, seed=shape[0])
+    data, block = adapter.mx_quantize_block(w, elem, mode)
+    ref_data, ref_block = ref.mx_quantize_block(w, elem, mode)
+    assert block.dtype == E8M0 and block.shape == ref_block.shape and block.is_contiguous()
+    assert torch.equal(block.view(U8), ref_block.view(U8))
+    row_scale = ref.expand_block_scale(ref_block, w.shape, -1)
+    assert_same_mx((data, ref.expand_block_scale(block, w.shape, -1)), (ref_data, row_scale), -1)
+    assert npu_ops.last("npu_dynamic_block_mx_quant")["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
+
+
+def test_mx_quantize_block_refuses_float32(npu_current, adapter):
+    with pytest.raises(TypeError, match="npu_dynamic_block_mx_quant takes no float32"):
+        adapter.mx_quantize_block(weights((64, 64), torch.float32), E4M3, "floor")
+
+
+# ------------------------------------------------------------------------------------------------
+# dequantization: ATen ops, no torch_npu operator
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
+@pytest.mark.parametrize("case", [((5, 70), -1), ((96, 6), 0), ((3, 40, 33), 1)],
+                         ids=lambda c: f"{c[0]}-dim{c[1]}")
+def test_mx_dequantize(adapter, case, elem, out_dtype):
+    shape, dim = case
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, shape, generator=gen, dtype=U8).view(elem)  # NaN codes too
+    scale_shape = list(shape)
+    scale_shape[dim] = -(-shape[dim] // 32)
+    scale = torch.randint(0, 256, scale_shape, generator=gen, dtype=U8)
+    scale.view(-1)[:3] = torch.tensor([0x00, 0xFF, 0xFE], dtype=U8)  # 2^-127, NaN, 2^127
+    scale = scale.view(E8M0)
+    got = adapter.mx_dequantize(data, scale, dim, out_dtype)
+    assert_bitwise_equal(got, ref.mx_dequantize(data, scale, dim, out_dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# mx_matmul: npu_quant_matmul in MX mode
+
+
+def exact_values(rows, k, seed):
+    """(rows, k) values i * 2^p with |i| <= 4 and p in [-3, 3] (p varies by element and by 32-block,
+    so neighbouring blocks get different scales, and one block is all zero). They quantize exactly
+    in both fp8 formats, and every fp32 dot product of them is exact in any summation order
+    (terms are multiples of 2^-6 below 2^10, K <= 192), so the product is bit-identical however
+    the operator accumulates."""
+    gen = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-4, 5, (rows, k), generator=gen).float()
+    elem_shift = torch.randint(-2, 3, (rows, k), generator=gen)
+    block_shift = torch.randint(-1, 2, (rows, -(-k // 32)), generator=gen)
+    block_shift = block_shift.repeat_interleave(32, 1)[:, :k]
+    x = ints * torch.exp2((elem_shift + block_shift).float())
+    x[0, :32] = 0.0
+    return x.to(torch.bfloat16)
+
+
+def operand(values, layout, elem):
+    """The MX operand (R, K) blocked along K in one of the layouts training passes (DESIGN §4)."""
+    if layout == "rows":
+        return ref.mx_quantize(values, -1, elem, "floor")
+    if layout == "t":  # the .t() of a (K, R) tensor blocked along dim 0, e.g. W_bwd.t()
+        data, scale = ref.mx_quantize(values.t().contiguous(), 0, elem, "floor")
+        return data.t(), scale.t()
+    if layout == "row_step":  # every other row of a taller tensor: neither layout, copied
+        taller = torch.cat([values, values.flip(0)], 1).view(-1, values.shape[1])
+        data, scale = ref.mx_quantize(taller, -1, elem, "floor")
+        return data[::2], scale[::2]
+    raise AssertionError(layout)
+
+
+LAYOUTS = ["rows", "t", "row_step"]
+
+
+@pytest.mark.parametrize("k", [64, 96, 40, 192])
+@pytest.mark.parametrize("b_layout", LAYOUTS)
+@pytest.mark.parametrize("a_layout", LAYOUTS)
+def test_mx_matmul(npu_ops, adapter, a_layout, b_layout, k):
+    m, n = 6, 9
+    a_elem, b_elem = (E4M3, E5M2) if k == 96 else (E4M3, E4M3)
+    a, a_scale = operand(exact_values(m, k, seed=k), a_layout, a_elem)
+    b, b_scale = operand(exact_values(n, k, seed=k + 1), b_layout, b_elem)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = adapter.mx_matmul(a, a_scale, b, b_scale, out_dtype)
+        assert_bitwise_equal(got, ref.mx_matmul(a, a_scale, b, b_scale, out_dtype), str(out_dtype))
+
+    call = npu_ops.last("npu_quant_matmul")
+    k_padded = -(-k // 64) * 64
+    assert call["x1_shape"] == (m, k_padded) and call["x2_shape"] == (k_padded, n)
+    # x1 = a keeps a's transpose attribute; x2 = b.t() has the opposite of b's (a copied
+    # row_step operand is row-major)
+    assert call["x1_transposed"] == (a_layout == "t")
+    assert call["x2_transposed"] == (b_layout != "t")
+    if k % 64 == 0:  # no padding: the rows and .t() operands reach the operator uncopied
+        assert (call["x1_ptr"] == a.data_ptr()) == (a_layout != "row_step")
+        assert (call["x2_ptr"] == b.data_ptr()) == (b_layout != "row_step")
+    assert call["scale_dtype"] == call["pertoken_scale_dtype"] == 293
+    assert list(call["group_sizes"]) == [1, 1, 32]
+    assert call["output_dtype"] == 15  # the last out_dtype, bfloat16
+
+
+@pytest.mark.parametrize("k", [64, 160])
+@pytest.mark.parametrize("mn", [(1, 5), (5, 1), (1, 1)], ids=str)
+@pytest.mark.parametrize("b_layout", ["rows", "t"])
+@pytest.mark.parametrize("a_layout", ["rows", "t"])
+def test_mx_matmul_single_rows(npu_current, adapter, a_layout, b_layout, mn, k):
+    # A size-1 dim leaves contiguity ambiguous (a (1, K) view may carry any stride on dim 0),
+    # while op-plugin reads the transpose attribute from raw strides: the adapter must still
+    # pass data and scale with the same attribute.
+    m, n = mn
+    a, a_scale = operand(exact_values(m, k, seed=m), a_layout, E4M3)
+    b, b_scale = operand(exact_values(n, k, seed=n + 7), b_layout, E4M3)
+    got = adapter.mx_matmul(a, a_scale, b, b_scale, torch.float32)
+    assert_bitwise_equal(got, ref.mx_matmul(a, a_scale, b, b_scale, torch.float32))
+
+
+def test_mx_matmul_randn_and_nan_blocks(npu_current, adapter):
+    # General values: equal to the reference within fp32 accumulation order; a NaN/Inf block
+    # (scale 0xFF) makes its row NaN and nothing else, padded blocks included.
+    x = weights((8, 96), seed=3, specials=False)
+    x[2, 40] = float("inf")
+    a, a_scale = ref.mx_quantize(x, -1, E4M3, "floor")
+    b, b_scale = ref.mx_quantize(weights((5, 96), seed=4, specials=False), -1, E4M3, "floor")
+    got = adapter.mx_matmul(a, a_scale, b, b_scale, torch.float32)
+    expected = ref.mx_matmul(a, a_scale, b, b_scale, torch.float32)
+    assert bool(torch.isnan(got[2]).all()) and not bool(torch.isnan(got[[0, 1, 3]]).any())
+    atol = 1e-5 * expected.abs().nan_to_num(0.0).max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, equal_nan=True)
+
+
+def test_mx_matmul_empty(npu_current, adapter):
+    a, a_scale = ref.mx_quantize(torch.ones(3, 0, dtype=torch.bfloat16), -1, E4M3, "floor")
+    b, b_scale = ref.mx_quantize(torch.ones(4, 0, dtype=torch.bfloat16), -1, E4M3, "floor")
+    got = adapter.mx_matmul(a, a_scale, b, b_scale, torch.bfloat16)
+    assert got.shape == (3, 4) and bool((got == 0).all())
+
+
+def test_argument_errors_name_the_argument(npu_current, adapter):
+    x = weights((4, 64))
+    with pytest.raises(TypeError, match="elem_dtype must be"):
+        adapter.mx_quantize(x, -1, torch.float16, "floor")
+    with pytest.raises(ValueError, match="scale_mode must be"):
+        adapter.mx_quantize(x, -1, E4M3, "ceil")
+    with pytest.raises(IndexError, match="dim must be in"):
+        adapter.mx_quantize(x, 2, E4M3, "floor")
+    with pytest.raises(ValueError, match="w must be 2-d"):
+        adapter.mx_quantize_dual(weights((64,)), E4M3, "floor")
+    a, a_scale = ref.mx_quantize(x, -1, E4M3, "floor")
+    with pytest.raises(ValueError, match="b_scale must have shape"):
+        adapter.mx_matmul(a, a_scale, a, a_scale[:, :1], torch.float32)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        adapter.mx_dequantize(a, a_scale[:, :1], -1, torch.float32)
+    assert not npu_current.calls  # refused before reaching torch_npu
+
+
+# ------------------------------------------------------------------------------------------------
+# the mirror namespace is zrw's PrivateUse1 registration
+
+
+def test_zrw_ops_have_npu_kernels():
+    for op in MX_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zrw::{op}", "PrivateUse1"), op
+
+
+def test_mirror_schemas_are_zrw_schemas():
+    for op in MX_OPS:
+        mirror = str(torch._C._get_schema(f"zrw_npu_test::{op}", ""))
+        zrw_schema = str(torch._C._get_schema(f"zrw::{op}", ""))
+        assert mirror.replace("zrw_npu_test::", "zrw::") == zrw_schema
+
+
+@pytest.mark.skipif(torch_npu_loaded(), reason="expects the npu:: operators to be missing")
+@pytest.mark.parametrize("op", ["mx_quantize", "mx_quantize_dual", "mx_quantize_block",
+                                "mx_matmul"])
+def test_the_npu_key_reaches_the_adapter(op):
+    # With PrivateUse1 added to the thread's dispatch keys, CPU tensors dispatch to zrw's NPU
+    # kernels; without torch_npu they stop at the operator lookup, which comes before any aten op
+    # (which would find no PrivateUse1 kernel either), with the adapter's own message.
+    x = weights((64, 64), specials=False)
+    args = {
+        "mx_quantize": (x, -1, E4M3, "floor"),
+        "mx_quantize_dual": (x, E4M3, "floor"),
+        "mx_quantize_block": (x, E4M3, "floor"),
+        "mx_matmul": (*ref.mx_quantize(x, -1, E4M3, "floor"),
+                      *ref.mx_quantize(x, -1, E4M3, "floor"), torch.float32),
+    }[op]
+    with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1):
+        with pytest.raises(RuntimeError, match=r"calls torch_npu's operator npu::npu_\w+, which is "
+                                               r"not registered.*26\.0\.0"):
+            getattr(torch.ops.zrw, op)(*args)
