@@ -102,6 +102,19 @@ class PreQuantWeight(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return PreQuantWeight(inner["_tensor"], *meta)
 
+    def __reduce_ex__(self, proto):
+        # Checkpoints (torch.distributed.checkpoint, torch.save) hold the plain tensor: the
+        # all-gather extension is a property of the live model (prepare() re-applies it), and a
+        # plain tensor loads with torch.load(weights_only=True), which DCP's reader uses. Loading
+        # into a PreQuantWeight copies into its inner tensor (aten.copy_ is preserved above), and
+        # so do the optimizer states zeros_like made PreQuantWeight. The inner tensor is a view
+        # into FSDP2's padded shard buffer: clone it so that only its own elements are written
+        # (DCP clones over-sized storages itself, but cannot see through the wrapper).
+        t = self._tensor.detach()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        return t.__reduce_ex__(proto)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -6,6 +6,7 @@ BENCHMARKS = {
     "linear": "zrw.bench.linear",
     "quant": "zrw.bench.quant",
     "cache": "zrw.bench.cache",
+    "fsdp": "zrw.bench.fsdp",
 }
 
 
