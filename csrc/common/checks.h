@@ -71,4 +71,54 @@ inline std::vector<int64_t> scale_shape_along(at::IntArrayRef data_shape, int64_
   return s;
 }
 
+// The scale of `data` blocked along `dim` must have data's shape with dim -> ceil(D/32).
+inline void check_scale_matches(const char* op, const char* data_arg, const char* scale_arg,
+                                const at::Tensor& data, const at::Tensor& scale, int64_t dim) {
+  const auto expected = scale_shape_along(data.sizes(), dim);
+  TORCH_CHECK_VALUE(scale.sizes().vec() == expected, op, ": ", scale_arg, " must have shape ",
+                    at::IntArrayRef(expected), " for ", data_arg, " of shape ", data.sizes(),
+                    " blocked along dim ", dim, ", got ", scale.sizes());
+}
+
+// Op-level checks every backend runs (device checks are the backend's own).
+
+// mx_quantize_dual / mx_quantize_block: returns the parsed scale mode.
+inline mx::ScaleMode check_weight_quantize_args(const char* op, const at::Tensor& w,
+                                                at::ScalarType elem_dtype,
+                                                c10::string_view scale_mode) {
+  check_float_input(op, "w", w);
+  check_weight_rank(op, w);
+  check_elem_dtype(op, "elem_dtype", elem_dtype);
+  return parse_scale_mode(op, std::string(scale_mode));
+}
+
+// mx_dequantize: returns the wrapped dim.
+inline int64_t check_mx_dequantize_args(const char* op, const at::Tensor& data,
+                                        const at::Tensor& scale, int64_t dim,
+                                        at::ScalarType out_dtype) {
+  check_elem_dtype(op, "data", data.scalar_type());
+  check_scale_dtype(op, "scale", scale);
+  check_out_dtype(op, out_dtype);
+  const int64_t d = wrap_dim(op, "data", dim, data.dim());
+  check_scale_matches(op, "data", "scale", data, scale, d);
+  return d;
+}
+
+inline void check_mx_matmul_args(const char* op, const at::Tensor& a, const at::Tensor& a_scale,
+                                 const at::Tensor& b, const at::Tensor& b_scale,
+                                 at::ScalarType out_dtype) {
+  check_elem_dtype(op, "a", a.scalar_type());
+  check_elem_dtype(op, "b", b.scalar_type());
+  check_scale_dtype(op, "a_scale", a_scale);
+  check_scale_dtype(op, "b_scale", b_scale);
+  check_out_dtype(op, out_dtype);
+  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-d (M, K), got shape ", a.sizes());
+  TORCH_CHECK_VALUE(b.dim() == 2, op, ": b must be 2-d (N, K), got shape ", b.sizes());
+  TORCH_CHECK_VALUE(a.size(1) == b.size(1), op,
+                    ": a (M, K) and b (N, K) must share K (both blocked along K), got a ",
+                    a.sizes(), " and b ", b.sizes());
+  check_scale_matches(op, "a", "a_scale", a, a_scale, 1);
+  check_scale_matches(op, "b", "b_scale", b, b_scale, 1);
+}
+
 }  // namespace zrw::checks

@@ -72,10 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
     const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_dual";
   checks::check_device(op, "w", w, c10::DeviceType::CPU);
-  checks::check_float_input(op, "w", w);
-  checks::check_weight_rank(op, w);
-  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
-  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
 
   const at::Tensor wc = w.contiguous();
   const int64_t nd = w.dim();
@@ -101,10 +98,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
                                                           c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block";
   checks::check_device(op, "w", w, c10::DeviceType::CPU);
-  checks::check_float_input(op, "w", w);
-  checks::check_weight_rank(op, w);
-  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
-  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
 
   const at::Tensor wc = w.contiguous();
   const int64_t nd = w.dim();
@@ -137,24 +131,12 @@ const DecodeTable& decode_table(at::ScalarType elem) {
   return elem == at::kFloat8_e4m3fn ? e4m3 : e5m2;
 }
 
-void check_scale_matches(const char* op, const char* data_arg, const char* scale_arg,
-                         const at::Tensor& data, const at::Tensor& scale, int64_t dim) {
-  const auto expected = checks::scale_shape_along(data.sizes(), dim);
-  TORCH_CHECK_VALUE(scale.sizes().vec() == expected, op, ": ", scale_arg, " must have shape ",
-                    at::IntArrayRef(expected), " for ", data_arg, " of shape ", data.sizes(),
-                    " blocked along dim ", dim, ", got ", scale.sizes());
-}
-
 at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {
   constexpr const char* op = "zrw.mx_dequantize";
   checks::check_device(op, "data", data, c10::DeviceType::CPU);
   checks::check_device(op, "scale", scale, c10::DeviceType::CPU);
-  checks::check_elem_dtype(op, "data", data.scalar_type());
-  checks::check_scale_dtype(op, "scale", scale);
-  checks::check_out_dtype(op, out_dtype);
-  const int64_t d = checks::wrap_dim(op, "data", dim, data.dim());
-  check_scale_matches(op, "data", "scale", data, scale, d);
+  const int64_t d = checks::check_mx_dequantize_args(op, data, scale, dim, out_dtype);
 
   const at::Tensor dc = data.contiguous(), sc = scale.contiguous();
   auto out = at::empty(data.sizes(), data.options().dtype(at::kFloat));
@@ -246,18 +228,7 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   checks::check_device(op, "a_scale", a_scale, c10::DeviceType::CPU);
   checks::check_device(op, "b", b, c10::DeviceType::CPU);
   checks::check_device(op, "b_scale", b_scale, c10::DeviceType::CPU);
-  checks::check_elem_dtype(op, "a", a.scalar_type());
-  checks::check_elem_dtype(op, "b", b.scalar_type());
-  checks::check_scale_dtype(op, "a_scale", a_scale);
-  checks::check_scale_dtype(op, "b_scale", b_scale);
-  checks::check_out_dtype(op, out_dtype);
-  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-d (M, K), got shape ", a.sizes());
-  TORCH_CHECK_VALUE(b.dim() == 2, op, ": b must be 2-d (N, K), got shape ", b.sizes());
-  TORCH_CHECK_VALUE(a.size(1) == b.size(1), op,
-                    ": a (M, K) and b (N, K) must share K (both blocked along K), got a ",
-                    a.sizes(), " and b ", b.sizes());
-  check_scale_matches(op, "a", "a_scale", a, a_scale, 1);
-  check_scale_matches(op, "b", "b_scale", b, b_scale, 1);
+  checks::check_mx_matmul_args(op, a, a_scale, b, b_scale, out_dtype);
 
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   auto c = at::empty({M, N}, a.options().dtype(at::kFloat));

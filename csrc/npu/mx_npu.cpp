@@ -62,14 +62,6 @@ void check_same_device(const char* op, const char* arg, const at::Tensor& t, con
               " (", ref.device(), "), got a tensor on ", t.device());
 }
 
-void check_scale_matches(const char* op, const char* data_arg, const char* scale_arg,
-                         const at::Tensor& data, const at::Tensor& scale, int64_t dim) {
-  const auto expected = checks::scale_shape_along(data.sizes(), dim);
-  TORCH_CHECK_VALUE(scale.sizes().vec() == expected, op, ": ", scale_arg, " must have shape ",
-                    at::IntArrayRef(expected), " for ", data_arg, " of shape ", data.sizes(),
-                    " blocked along dim ", dim, ", got ", scale.sizes());
-}
-
 // What an npu:: operator returned, checked before zrw trusts it: a torch_npu that ignored
 // dst_type (FP4 comes back as uint8 of half the width) or changed a layout fails here, naming the
 // operator, instead of corrupting what comes after.
@@ -160,10 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
     const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_dual";
   constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
-  checks::check_float_input(op, "w", w);
-  checks::check_weight_rank(op, w);
-  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
-  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
   const int64_t nd = w.dim();
 
   if (w.scalar_type() == at::kFloat) {
@@ -204,10 +193,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
                                                           c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block";
   constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
-  checks::check_float_input(op, "w", w);
-  checks::check_weight_rank(op, w);
-  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
-  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
   TORCH_CHECK_TYPE(w.scalar_type() != at::kFloat, op,
                    ": on NPU, w must be torch.bfloat16 or torch.float16 (torch_npu's ", npu_name,
                    " takes no float32), got torch.float32: cast the weight first, or use the "
@@ -249,12 +235,8 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
 at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {
   constexpr const char* op = "zrw.mx_dequantize";
-  checks::check_elem_dtype(op, "data", data.scalar_type());
-  checks::check_scale_dtype(op, "scale", scale);
-  checks::check_out_dtype(op, out_dtype);
   check_same_device(op, "scale", scale, "data", data);
-  const int64_t d = checks::wrap_dim(op, "data", dim, data.dim());
-  check_scale_matches(op, "data", "scale", data, scale, d);
+  const int64_t d = checks::check_mx_dequantize_args(op, data, scale, dim, out_dtype);
   if (data.numel() == 0) return at::empty(data.sizes(), data.options().dtype(out_dtype));
 
   const at::Tensor bytes = scale.view(at::kByte).to(at::kInt);
@@ -295,21 +277,10 @@ at::Tensor mx_matmul_npu(const at::Tensor& a, const at::Tensor& a_scale, const a
                          const at::Tensor& b_scale, at::ScalarType out_dtype) {
   constexpr const char* op = "zrw.mx_matmul";
   constexpr const char* npu_name = "npu_quant_matmul";
-  checks::check_elem_dtype(op, "a", a.scalar_type());
-  checks::check_elem_dtype(op, "b", b.scalar_type());
-  checks::check_scale_dtype(op, "a_scale", a_scale);
-  checks::check_scale_dtype(op, "b_scale", b_scale);
-  checks::check_out_dtype(op, out_dtype);
   check_same_device(op, "a_scale", a_scale, "a", a);
   check_same_device(op, "b", b, "a", a);
   check_same_device(op, "b_scale", b_scale, "a", a);
-  TORCH_CHECK_VALUE(a.dim() == 2, op, ": a must be 2-d (M, K), got shape ", a.sizes());
-  TORCH_CHECK_VALUE(b.dim() == 2, op, ": b must be 2-d (N, K), got shape ", b.sizes());
-  TORCH_CHECK_VALUE(a.size(1) == b.size(1), op,
-                    ": a (M, K) and b (N, K) must share K (both blocked along K), got a ",
-                    a.sizes(), " and b ", b.sizes());
-  check_scale_matches(op, "a", "a_scale", a, a_scale, 1);
-  check_scale_matches(op, "b", "b_scale", b, b_scale, 1);
+  checks::check_mx_matmul_args(op, a, a_scale, b, b_scale, out_dtype);
 
   NpuOperator npu_op(op, npu_name);
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
