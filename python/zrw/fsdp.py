@@ -3,7 +3,8 @@
 `prepare(model)` wraps the weight of every converted layer (zrw.nn.MXLinear, MXFusedExperts) in
 `PreQuantWeight`, a tensor subclass implementing FSDP2's all-gather extension
 (`fsdp_pre_all_gather` in its 5-argument form, `fsdp_post_all_gather`). Call it after
-zrw.convert and before `torch.distributed.fsdp.fully_shard`.
+zrw.convert and before `torch.distributed.fsdp.fully_shard` (FSDP2 looks the extension up when it
+shards a parameter; prepare() on an already sharded model raises).
 
 Under FSDP2 the sharded parameter is the FP32 (or param-dtype) master that the optimizer steps,
 a view into FSDP's own buffer, so nothing is released there; the zero-redundancy property is
@@ -345,6 +346,11 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
             p = getattr(mod, pname)
             if isinstance(p, PreQuantWeight):
                 continue
+            if type(p.data).__name__ == "DTensor":
+                raise RuntimeError(
+                    f"zrw.fsdp.prepare: parameter '{mname}.{pname}' is already sharded (a "
+                    "DTensor): call prepare(model) after zrw.convert and before fully_shard — "
+                    "FSDP2 looks up the all-gather extension when it shards a parameter")
             qual = f"{mname}.{pname}" if mname else pname
             wrapped = nn.Parameter(PreQuantWeight(p.data, recipe, qual, both_planes),
                                    requires_grad=p.requires_grad)

@@ -131,3 +131,28 @@ def test_uneven_shards_warn_and_stay_correct(tmp_path):
     assert z["losses"] == b["losses"]
     for n in z["weights"]:
         assert torch.equal(z["weights"][n], b["weights"][n]), n
+
+
+PREPARE_AFTER_SHARD = r"""
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import zrw, zrw.fsdp
+os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = "%d"
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+zrw.convert(model, release=False)
+fully_shard(model)
+try:
+    zrw.fsdp.prepare(model)
+except RuntimeError as e:
+    print("RAISED", e)
+dist.destroy_process_group()
+"""
+
+
+def test_prepare_after_fully_shard_is_refused_clearly():
+    r = subprocess.run([sys.executable, "-c", PREPARE_AFTER_SHARD % _free_port()],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RAISED" in r.stdout and "'0.weight' is already sharded" in r.stdout
+    assert "before fully_shard" in r.stdout
