@@ -9,8 +9,8 @@ times:
 and reports the miss and the hit as ratios of the bare quantization. Between two timed misses
 the weight is restored by dequantization (untimed), so every miss reads realistic values.
 
-Then it trains a small MLP (nn.Linear weights used through quant_and_release and an MX
-autograd.Function, MasterWeights(AdamW) attached, a few microbatches per step) and reports the
+Then it trains a small MLP (nn.Linear weights used through zrw.nn.mx_linear, MasterWeights(AdamW)
+attached, a few microbatches per step) and reports the
 restore at the optimizer boundary (attach's pre-hook: restore_all) as a fraction of the step.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ import torch
 import zrw
 from zrw import ops
 from zrw.bench._timing import best_of, print_table
+from zrw.config import get_recipe
+from zrw.nn import mx_linear
 from zrw.optim import MasterWeights, attach
 
 BF16 = torch.bfloat16
@@ -77,28 +79,12 @@ def time_op(shape, recipe, repeat):
     }
 
 
-class _MXLinearFn(torch.autograd.Function):
-    """y = Q_K(x) @ W_fwd^T; dx = Q_N(dy) @ W_bwd; dW = dy^T x (bf16). The cached planes come
-    from quant_and_release, called outside (inside forward grad mode is off)."""
-
-    @staticmethod
-    def forward(ctx, x, w, q):
-        xd, xs = ops.mx_quantize(x, -1)
-        ctx.save_for_backward(x, q.bwd.data, q.bwd.scale)
-        return ops.mx_matmul(xd, xs, q.fwd.data, q.fwd.scale, x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, db, sb = ctx.saved_tensors
-        dd, ds = ops.mx_quantize(dy, -1)
-        return ops.mx_matmul(dd, ds, db.t(), sb.t(), dy.dtype), dy.t() @ x, None
-
-
 def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
     """Trains an MLP of `layers` dim x dim weights; returns the best step time and the best
     restore time at the boundary (attach's pre-hook, with `fill`), each over `steps` steps after
     one warm-up."""
     torch.manual_seed(0)
+    rcp = get_recipe(recipe)
     lins = [torch.nn.Linear(dim, dim, bias=False, dtype=BF16) for _ in range(layers)]
     ws = [l.weight for l in lins]
     opt = MasterWeights(torch.optim.AdamW, ws, lr=1e-3)
@@ -114,7 +100,7 @@ def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
         for x in xs:
             h = x
             for i, w in enumerate(ws):
-                h = _MXLinearFn.apply(h, w, ops.quant_and_release(w, recipe))
+                h = mx_linear(h, w, None, rcp)  # zrw's MXLinear numerics
                 if i + 1 < layers:
                     h = torch.relu(h)
             (h.float().pow(2).mean() / micro).backward()
