@@ -21,6 +21,8 @@ import zrw
 from zrw import ops
 from zrw.optim import MasterWeights
 
+from mx_test_layer import MXLinearFn
+
 zrw.memory.install()
 
 BF16 = torch.bfloat16
@@ -96,24 +98,6 @@ def assert_raises_released(w, name):
     with pytest.raises(RuntimeError, match=RELEASE_MSG) as ei:
         w.sum()
     assert f"'{name}'" in str(ei.value) and "zrw.ops.restore" in str(ei.value)
-
-
-class MXLinearFn(torch.autograd.Function):
-    """y = x W^T through the cached MX planes: the layer calls quant_and_release OUTSIDE (inside
-    Function.forward grad mode is off and the guard would skip the release as "no_grad")."""
-
-    @staticmethod
-    def forward(ctx, x, w, q):
-        xd, xs = ops.mx_quantize(x, -1)
-        ctx.save_for_backward(x, q.bwd.data, q.bwd.scale)
-        return ops.mx_matmul(xd, xs, q.fwd.data, q.fwd.scale, x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, db, sb = ctx.saved_tensors
-        dd, ds = ops.mx_quantize(dy, -1)
-        dx = ops.mx_matmul(dd, ds, db.t(), sb.t(), dy.dtype)
-        return dx, dy.t() @ x, None
 
 
 def mx_linear(x, w, recipe="mxfp8", name=""):

@@ -12,6 +12,8 @@ import torch
 
 import zrw
 from zrw import ops
+
+from mx_test_layer import MXLinearFn
 from zrw.optim import MasterWeights, attach, detach
 
 zrw.memory.install()
@@ -44,25 +46,6 @@ def param(*shape, seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     return torch.nn.Parameter(torch.randn(*shape, generator=g).to(BF16),
                               requires_grad=requires_grad)
-
-
-class MXLinearFn(torch.autograd.Function):
-    """y = Q_K(x) @ W_fwd^T (mx_matmul); dgrad Q_N(dy) @ W_bwd (mx_matmul on W_bwd.t()); wgrad
-    dy^T x in bf16. The layer calls quant_and_release OUTSIDE the Function: inside forward grad
-    mode is off, and the guard would skip the release as "no_grad"."""
-
-    @staticmethod
-    def forward(ctx, x, w, q):
-        xd, xs = ops.mx_quantize(x, -1)
-        ctx.save_for_backward(x, q.bwd.data, q.bwd.scale)
-        return ops.mx_matmul(xd, xs, q.fwd.data, q.fwd.scale, x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, db, sb = ctx.saved_tensors
-        dd, ds = ops.mx_quantize(dy, -1)
-        dx = ops.mx_matmul(dd, ds, db.t(), sb.t(), dy.dtype)
-        return dx, dy.t() @ x, None
 
 
 class MLP(torch.nn.Module):

@@ -165,7 +165,6 @@ def run_fsdp(args):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
     q0 = zrw.fsdp.shard_quantizations()
     per_step_bytes = []
-    gathered = {}
     with count_gathered_bytes() as counts:
         for step in range(args.steps):
             before = counts["bytes"]

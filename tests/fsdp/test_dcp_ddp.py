@@ -2,38 +2,19 @@
 CPU), each launching tests/fsdp/dcp_ddp_worker.py twice (ranks 0 and 1)."""
 import io
 import os
-import random
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+import ranks  # tests/fsdp/ranks.py
+
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_ddp_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path, *args, world=2, expect_ok=True):
-    out = str(tmp_path / f"r{random.randrange(1 << 30)}.pt")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--out", out, *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    if not expect_ok:
-        return procs, logs
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return torch.load(out)
+def launch(tmp_path, *args, **kwargs):
+    return ranks.launch(WORKER, tmp_path, *args, **kwargs)
 
 
 def test_dcp_save_load_resumes_bitwise(tmp_path):

@@ -6,7 +6,6 @@ all-gather of the same model. Bytes are counted by the worker's own wrapper of t
 group's all-gather (not by zrw)."""
 import os
 import random
-import socket
 import subprocess
 import sys
 
@@ -15,27 +14,14 @@ import torch
 
 import zrw
 
+import ranks
+
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path, *args, world=2):
-    out = str(tmp_path / f"r{random.randrange(1 << 30)}.pt")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--out", out, *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return torch.load(out)
+def launch(tmp_path, *args, **kwargs):
+    return ranks.launch(WORKER, tmp_path, *args, **kwargs)
 
 
 def single(tmp_path, *args):
@@ -112,13 +98,7 @@ def test_activation_checkpointing_and_no_reshard_need_both_planes(tmp_path):
     keep = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw", "--no-reshard", "--both-planes")
     assert keep["losses"] == ref["losses"]
     # Without both planes, recompute finds only the backward plane: a clear error, not garbage.
-    out = str(tmp_path / "fail.pt")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(r), "--port", str(port),
-                               "--out", out, "--mode", "zrw", "--checkpoint"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    procs, logs = launch(tmp_path, "--mode", "zrw", "--checkpoint", expect_ok=False)
     assert any(p.returncode != 0 for p in procs)
     assert any("both_planes=True" in log for log in logs), logs[0][-3000:]
 
@@ -151,7 +131,7 @@ dist.destroy_process_group()
 
 
 def test_prepare_after_fully_shard_is_refused_clearly():
-    r = subprocess.run([sys.executable, "-c", PREPARE_AFTER_SHARD % _free_port()],
+    r = subprocess.run([sys.executable, "-c", PREPARE_AFTER_SHARD % ranks.free_port()],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RAISED" in r.stdout and "'0.weight' is already sharded" in r.stdout

@@ -1,0 +1,26 @@
+"""A minimal MX linear for the cache and optimizer tests, built only on zrw.ops.
+
+It is deliberately not zrw.nn.MXLinear: the cache tests (issue 3) check the native cache and the
+optimizer boundary on their own, with nn.Linear weights used through quant_and_release.
+y = Q_K(x) @ W_fwd^T and dgrad Q_N(dy) @ W_bwd through mx_matmul; wgrad dy^T x in bf16. The
+layer calls quant_and_release OUTSIDE the Function: inside Function.forward grad mode is off and
+the release guard would skip the release as "no_grad".
+"""
+import torch
+
+from zrw import ops
+
+
+class MXLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, q):
+        xd, xs = ops.mx_quantize(x, -1)
+        ctx.save_for_backward(x, q.bwd.data, q.bwd.scale)
+        return ops.mx_matmul(xd, xs, q.fwd.data, q.fwd.scale, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, db, sb = ctx.saved_tensors
+        dd, ds = ops.mx_quantize(dy, -1)
+        dx = ops.mx_matmul(dd, ds, db.t(), sb.t(), dy.dtype)
+        return dx, dy.t() @ x, None
