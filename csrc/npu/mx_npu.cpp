@@ -62,6 +62,17 @@ void check_same_device(const char* op, const char* arg, const at::Tensor& t, con
               " (", ref.device(), "), got a tensor on ", t.device());
 }
 
+// The arguments every torch_npu MX quantization operator takes (arguments are placed by name, so
+// callers add their own before call()): the element dtype explicitly — the default dst_type,
+// 296, is FP4 — round-to-nearest-even, and the scale rule.
+NpuOperator& mx_quant_args(NpuOperator& npu_op, const at::Tensor& input, at::ScalarType elem_dtype,
+                           ScaleMode mode) {
+  return npu_op.arg("input", input)
+      .arg("dst_type", dtype_code(elem_dtype))
+      .arg_or_default("round_mode", std::string("rint"), true)
+      .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor);
+}
+
 // What an npu:: operator returned, checked before zrw trusts it: a torch_npu that ignored
 // dst_type (FP4 comes back as uint8 of half the width) or changed a layout fails here, naming the
 // operator, instead of corrupting what comes after.
@@ -123,12 +134,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tens
   canonical[1] = blocks;
   const int64_t axis = tail ? -1 : -2;
 
-  const auto out = npu_op.arg("input", x.reshape(shape))
-                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
+  const auto out = mx_quant_args(npu_op, x.reshape(shape), elem_dtype, mode)
                        .arg_or_default("axis", axis, axis == -1)
-                       .arg_or_default("round_mode", std::string("rint"), true)
                        .arg_or_default("block_size", kBlock, true)
-                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
                        .call();
   check_outputs(op, npu_name, out, 2);
   const at::Tensor data = returned(op, npu_name, "data", out[0], elem_dtype, shape);
@@ -171,11 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
     return {at::empty(w.sizes(), fp8), empty_scale(fwd_shape, w), at::empty(w.sizes(), fp8),
             empty_scale(bwd_shape, w)};
   }
-  const auto out = npu_op.arg("input", w)
-                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
-                       .arg_or_default("round_mode", std::string("rint"), true)
-                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
-                       .call();
+  const auto out = mx_quant_args(npu_op, w, elem_dtype, mode).call();
   check_outputs(op, npu_name, out, 4);
   // y1/mxscale1 are blocked along -1 (K: forward), y2/mxscale2 along -2 (N: backward).
   const at::Tensor data_fwd = returned(op, npu_name, "y1", out[0], elem_dtype, w.sizes());
@@ -208,11 +212,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
   if (w.numel() == 0) {
     return {at::empty(w.sizes(), w.options().dtype(elem_dtype)), empty_scale(block_shape, w)};
   }
-  const auto out = npu_op.arg("input", w)
-                       .arg("dst_type", dtype_code(elem_dtype))  // the default, 296, is FP4
-                       .arg_or_default("round_mode", std::string("rint"), true)
-                       .arg_or_default("scale_alg", scale_alg(mode), mode == ScaleMode::Floor)
-                       .call();
+  const auto out = mx_quant_args(npu_op, w, elem_dtype, mode).call();
   check_outputs(op, npu_name, out, 3);
   const at::Tensor data = returned(op, npu_name, "y", out[0], elem_dtype, w.sizes());
   const at::Tensor s1 =
