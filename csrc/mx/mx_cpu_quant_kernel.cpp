@@ -11,10 +11,15 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../common/mx_format.h"
 #include "mx_cpu_kernels.h"
+#if defined(__AVX2__)
+#include "mx_cpu_quant_bf16_avx2.h"
+#endif
 
 #ifndef ZRW_CPU_ISA
 #error "compile mx_cpu_quant_kernel.cpp with -DZRW_CPU_ISA=<base|avx2|avx512>"
@@ -184,6 +189,61 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
   }
 }
 
+#if defined(__AVX2__)
+// The bf16 fast path (mx_cpu_quant_bf16_avx2.h) for every layout combination the ops request:
+// blocks along rows or 32x32 tiles (or neither), with or without blocks down the columns.
+template <typename OutsOf>
+void quantize_bf16_avx2(const uint16_t* src, int64_t nmat, int64_t N, int64_t K, ElemFormat fmt,
+                        ScaleMode mode, const QuantOutputs& out, const OutsOf& outs_of) {
+  using bf16_avx2::BlockKind;
+  const int64_t strips = mx::ceil_div(N, kBlock);
+  const int64_t total = nmat * strips;
+  const BlockKind bk =
+      out.row_data ? BlockKind::Row : (out.tile_data ? BlockKind::Tile : BlockKind::None);
+  const bool col = out.col_data != nullptr;
+  auto run = [&](auto f_tag, auto bk_tag, auto col_tag) {
+    constexpr ElemFormat F = decltype(f_tag)::value;
+    constexpr BlockKind BK = decltype(bk_tag)::value;
+    constexpr bool COL = decltype(col_tag)::value;
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      auto scratch = std::make_unique<bf16_avx2::Scratch>();
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / strips;
+        const QuantOutputs o = outs_of(m);
+        uint8_t* blk_data = BK == BlockKind::Row ? o.row_data : o.tile_data;
+        uint8_t* blk_scale = BK == BlockKind::Row ? o.row_scale : o.tile_scale;
+        bf16_avx2::quantize_strip<F, BK, COL>(src + m * N * K, N, K, (i % strips) * kBlock, mode,
+                                              blk_data, blk_scale, o.col_data, o.col_scale,
+                                              *scratch);
+      }
+    });
+  };
+  auto with_col = [&](auto f_tag, auto bk_tag) {
+    if (col) {
+      run(f_tag, bk_tag, std::true_type{});
+    } else {
+      run(f_tag, bk_tag, std::false_type{});
+    }
+  };
+  auto with_bk = [&](auto f_tag) {
+    using BKC = std::integral_constant<BlockKind, BlockKind::None>;
+    if (bk == BlockKind::Row) {
+      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Row>{});
+    } else if (bk == BlockKind::Tile) {
+      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Tile>{});
+    } else {
+      with_col(f_tag, BKC{});
+    }
+  };
+  if (fmt == ElemFormat::E4M3) {
+    with_bk(std::integral_constant<ElemFormat, ElemFormat::E4M3>{});
+  } else {
+    with_bk(std::integral_constant<ElemFormat, ElemFormat::E5M2>{});
+  }
+}
+#endif
+
 }  // namespace
 
 void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
@@ -204,6 +264,12 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, 
     o.tile_scale = at_(out.tile_scale, m * NB * KB);
     return o;
   };
+#if defined(__AVX2__)
+  if (src_dtype == at::kBFloat16 && !(out.row_data && out.tile_data)) {
+    quantize_bf16_avx2(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out, outs_of);
+    return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src_dtype, "zrw_mx_quantize", [&] {
     const scalar_t* base = static_cast<const scalar_t*>(src);
     // One strip is ~32*K elements of work; small matrices run on one thread.

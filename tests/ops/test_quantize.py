@@ -628,6 +628,63 @@ def test_quantize_of_dequantize_is_idempotent(case):
 
 
 # ------------------------------------------------------------------------------------------------
+# bf16: every element pattern under every scale a block can take
+#
+# The AVX2 kernel encodes bf16 in 16-bit lanes (rounding the mantissa once, then shifting the
+# exponent by the block scale) and falls back to the exact path when an element would be an fp8
+# subnormal; these inputs put every bf16 bit pattern into blocks whose amax (one "anchor" per
+# block) ranges from bf16 subnormals to the largest finite bf16, with mantissas at and above 1.75,
+# so each pattern meets each fast/exact boundary. Blocks run along the rows for mx_quantize(dim=-1)
+# and the row plane of the dual; the transposed copy puts them down the columns.
+
+BF16_ANCHORS = [
+    2.0**-133,               # bf16 subnormal amax: scale 0x00, elements scaled by 2^127
+    2.0**-126 * 1.5,         # smallest normal binade
+    2.0**-120 * 1.875,       # scale clamps at -127
+    2.0**-20 * 1.75,
+    1.0,
+    1.875,                   # amax mantissa above 1.75: floor and rceil differ
+    448.0,
+    57344.0 * 1.9921875,
+    2.0**100 * 1.0078125,
+    3.3895313892515355e38,   # largest finite bf16
+]
+
+
+def _bf16_every_pattern_blocks(anchor):
+    """Rows of 32: the anchor first, then every finite bf16 pattern of magnitude <= anchor."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = bits[torch.isfinite(bits) & (bits.float().abs() <= anchor)]
+    rows = -(-finite.numel() // (BLOCK - 1))
+    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.bfloat16)
+    body[: finite.numel()] = finite
+    anchors = torch.full((rows, 1), anchor, dtype=torch.bfloat16)
+    anchors[1::2] *= -1
+    return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
+
+
+@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
+                         isinstance(v, torch.dtype) else v)
+def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mode):
+    x = torch.cat([_bf16_every_pattern_blocks(a) for a in BF16_ANCHORS])
+    x = torch.cat([x, torch.tensor([[math.inf] + [1.0] * 31, [math.nan] + [-2.0] * 31],
+                                   dtype=torch.bfloat16)])
+    for blocked in (x, x.t().contiguous()):
+        dim = -1 if blocked is x else 0
+        assert_same_quantization(ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
+                                 ref.mx_quantize(blocked, dim, elem_dtype, scale_mode), dim,
+                                 f"mx_quantize dim={dim}")
+        got = ops.mx_quantize_dual(blocked, elem_dtype, scale_mode)
+        exp = ref.mx_quantize_dual(blocked, elem_dtype, scale_mode)
+        assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual fwd")
+        assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual bwd")
+    tiles = x[: x.shape[0] // BLOCK * BLOCK]
+    assert_block_quantization_equal(ops.mx_quantize_block(tiles, elem_dtype, scale_mode),
+                                    ref.mx_quantize_block(tiles, elem_dtype, scale_mode),
+                                    tiles.shape, "mx_quantize_block")
+
+
+# ------------------------------------------------------------------------------------------------
 # every CPU kernel build (ZRW_CPU_ISA), each in its own process
 
 

@@ -1,0 +1,319 @@
+// The bf16 fast path of the CPU quantization kernel, in AVX2 intrinsics. Included by
+// mx_cpu_quant_kernel.cpp inside its per-ISA namespace when the build targets AVX2 or wider;
+// the portable strip kernel there stays the path for fp16/fp32 inputs and for the base build,
+// and the tests check that every build gives the same bytes.
+//
+// Why a separate path: bf16 is the weights' dtype, and for a bf16 element the whole MXFP8
+// encode can stay in 16-bit integer lanes (16 per register instead of 8 fp32 lanes):
+//
+// * Amax: |x| is the bf16 bit pattern with the sign cleared; for non-negative bf16 the integer
+//   order is the value order, NaN above Inf (mx::abs_key, on 16 bits), so a block amax is an
+//   integer max.
+// * Elements: the block scale is a power of two, so x / 2^e is exact in fp32 whenever the result
+//   is an fp32 normal, and scaling only moves the exponent. Rounding x's 7-bit mantissa to the
+//   element's M bits (nearest, ties to even, carrying into the exponent) therefore gives the
+//   element's mantissa for EVERY block scale; the element code is
+//       base(x) - ((scale_byte - bias) << M),   base(x) = bf16 exponent << M | rounded mantissa,
+//   clamped to the largest finite code. The two axes of the dual quantization share base(x)
+//   and differ only by that subtraction.
+// * That identity holds while the element is a normal of the element format: code >= 2^M, and
+//   x itself not a bf16 zero or subnormal. Any 32-element run with a lane outside it (zeros,
+//   elements more than ~2^14 (E4M3) / 2^29 (E5M2) below their block's amax, NaN/Inf blocks)
+//   is redone by the exact scalar path (mx::encode_elem_lane on x * 2^-e, as the portable
+//   kernel does), so the bytes are the spec's for every input.
+#pragma once
+
+#if !defined(__AVX2__)
+#error "mx_cpu_quant_bf16_avx2.h needs an AVX2 build"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../common/mx_format.h"
+
+namespace bf16_avx2 {
+
+using zrw::mx::ElemFormat;
+using zrw::mx::ScaleMode;
+using zrw::mx::kBlock;
+
+// The element-format constants of the 16-bit encode (see the header comment).
+template <ElemFormat F>
+struct Bf16Encode {
+  using E = zrw::mx::Elem<F>;
+  static constexpr int kShift = 7 - E::kMantBits;  // bf16 mantissa bits dropped
+  static constexpr int16_t kHalfMinusOne = (1 << (kShift - 1)) - 1;
+  static constexpr int16_t kMinNormalCode = 1 << E::kMantBits;
+  static constexpr int16_t kMaxCode =
+      ((E::kEmax + E::kBias) << E::kMantBits) | (3 << (E::kMantBits - 2));
+};
+
+// Which layouts one pass writes: blocks along the row (per row and 32-column block), 32x32
+// tiles (per 32-column block, shared by the strip's rows), blocks down the columns.
+enum class BlockKind { None, Row, Tile };
+
+// Per-thread buffers for one strip chunk of up to 32 rows x kCols columns.
+struct Scratch {
+  static constexpr int64_t kCols = 256;  // 32 x 256 bf16 = 16 KiB: the chunk stays in L1
+  static constexpr int64_t kBlocks = kCols / kBlock;
+  alignas(32) uint16_t col_key[kCols];
+  alignas(32) int16_t col_off[kCols];
+  alignas(32) uint8_t col_byte[kCols];
+  // Row keys/offsets/bytes, [row][block]; the tile ones use row 0.
+  alignas(32) uint16_t blk_key[kBlock * kBlocks];
+  alignas(32) int16_t blk_off[kBlock * kBlocks];
+  alignas(32) uint8_t blk_byte[kBlock * kBlocks];
+  // Zero-padded copy of a strip's last partial 32-column block, and its outputs.
+  alignas(32) uint16_t tail_src[kBlock * kBlock];
+  alignas(32) uint8_t tail_blk[kBlock * kBlock];
+  alignas(32) uint8_t tail_col[kBlock * kBlock];
+};
+
+inline __m256i abs16(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF)); }
+
+// Max of the 16 lanes (each <= 0x7FFF) of v: phminposuw on 0x7FFF - v.
+inline uint16_t hmax16(__m256i v) {
+  const __m128i m = _mm_max_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i flipped = _mm_xor_si128(m, _mm_set1_epi16(0x7FFF));
+  return static_cast<uint16_t>(0x7FFF ^ _mm_cvtsi128_si32(_mm_minpos_epu16(flipped)));
+}
+
+// Scale bytes (E8M0) and element-code offsets of `n` (a multiple of 32) amax keys, 16 at a
+// time: the vector form of mx::scale_byte_from_amax_key on bf16 keys (exponent in bits 7..14,
+// mantissa in bits 0..6; "mantissa above 1.75" is mantissa > 0x60). True if any byte is 0xFF.
+template <ElemFormat F>
+inline bool scales_from_keys(const uint16_t* keys, int64_t n, ScaleMode mode, uint8_t* bytes,
+                             int16_t* offs) {
+  using E = zrw::mx::Elem<F>;
+  const __m256i exp_max = _mm256_set1_epi16(0xFF);
+  __m256i any_nan = _mm256_setzero_si256();
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256i b[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i k =
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(keys + i + 16 * h));
+      const __m256i exp = _mm256_srli_epi16(k, 7);
+      __m256i e = _mm256_sub_epi16(exp, _mm256_set1_epi16(127 + E::kEmax));
+      if (mode == ScaleMode::RCeil) {
+        // cmpgt is -1 where the amax mantissa exceeds 1.75: one more power of two.
+        e = _mm256_sub_epi16(e, _mm256_cmpgt_epi16(_mm256_and_si256(k, _mm256_set1_epi16(0x7F)),
+                                                   _mm256_set1_epi16(0x60)));
+      }
+      e = _mm256_max_epi16(_mm256_min_epi16(e, _mm256_set1_epi16(127)),
+                           _mm256_set1_epi16(-127));
+      __m256i byte = _mm256_add_epi16(e, _mm256_set1_epi16(127));
+      // Zero (and bf16 subnormal) amax -> 0x00; NaN/Inf -> 0xFF.
+      byte = _mm256_andnot_si256(_mm256_cmpeq_epi16(exp, _mm256_setzero_si256()), byte);
+      const __m256i nan = _mm256_cmpeq_epi16(exp, exp_max);
+      any_nan = _mm256_or_si256(any_nan, nan);
+      byte = _mm256_blendv_epi8(byte, exp_max, nan);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(offs + i + 16 * h),
+                         _mm256_slli_epi16(_mm256_sub_epi16(byte, _mm256_set1_epi16(E::kBias)),
+                                           E::kMantBits));
+      b[h] = byte;
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes + i),
+                       _mm256_permute4x64_epi64(_mm256_packus_epi16(b[0], b[1]), 0xD8));
+  }
+  return !_mm256_testz_si256(any_nan, any_nan);
+}
+
+// 2^-e for a scale byte, as the portable kernel multiplies by it.
+inline float inv_scale(uint8_t byte) { return zrw::mx::inv_scale_from_byte(byte); }
+
+// The exact path for one 32-element run of a row: every element through x * 2^-e and
+// mx::encode_elem_lane, the way the portable kernel computes it.
+template <ElemFormat F, BlockKind BK, bool COL>
+inline void encode_run_exact(const uint16_t* x, uint8_t blk_byte, const uint8_t* col_byte,
+                             uint8_t* blk_out, uint8_t* col_out) {
+  const float blk_inv = inv_scale(blk_byte);
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = zrw::mx::bits_f32(static_cast<uint32_t>(x[j]) << 16);
+    if constexpr (BK != BlockKind::None) {
+      blk_out[j] = static_cast<uint8_t>(zrw::mx::encode_elem_lane<F>(v * blk_inv));
+    }
+    if constexpr (COL) {
+      col_out[j] = static_cast<uint8_t>(zrw::mx::encode_elem_lane<F>(v * inv_scale(col_byte[j])));
+    }
+  }
+}
+
+// One chunk: `nrows` (<= 32) rows of `ncols` (a multiple of 32, <= Scratch::kCols) bf16
+// columns at `src` (row stride `ld`), written to blk_out/col_out (row stride `ld_out`), with
+// the scale bytes left in s.blk_byte ([row][block]; row 0 for tiles) and s.col_byte. Blocks
+// and columns whose scale is NaN (0xFF) get element bytes kElemNaN.
+template <ElemFormat F, BlockKind BK, bool COL>
+void quantize_chunk(const uint16_t* src, int64_t ld, int64_t nrows, int64_t ncols,
+                    ScaleMode mode, uint8_t* blk_out, uint8_t* col_out, int64_t ld_out,
+                    Scratch& s) {
+  using C = Bf16Encode<F>;
+  constexpr bool kNeedCols = COL || BK == BlockKind::Tile;
+  const int64_t nb = ncols / kBlock;
+
+  // Pass 1: amax keys. Rows' block keys by a horizontal max, columns' by a vertical one.
+  if constexpr (kNeedCols) std::memset(s.col_key, 0, ncols * sizeof(uint16_t));
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint16_t* row = src + r * ld;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i a0 = abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b)));
+      const __m256i a1 =
+          abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b + 16)));
+      if constexpr (kNeedCols) {
+        __m256i* ck = reinterpret_cast<__m256i*>(s.col_key + 32 * b);
+        _mm256_store_si256(ck, _mm256_max_epi16(_mm256_load_si256(ck), a0));
+        _mm256_store_si256(ck + 1, _mm256_max_epi16(_mm256_load_si256(ck + 1), a1));
+      }
+      if constexpr (BK == BlockKind::Row) {
+        s.blk_key[r * Scratch::kBlocks + b] = hmax16(_mm256_max_epi16(a0, a1));
+      }
+    }
+  }
+  if constexpr (BK == BlockKind::Tile) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i* ck = reinterpret_cast<const __m256i*>(s.col_key + 32 * b);
+      s.blk_key[b] = hmax16(_mm256_max_epi16(_mm256_load_si256(ck), _mm256_load_si256(ck + 1)));
+    }
+  }
+
+  // Scale bytes and code offsets (the key arrays are padded to 32 entries with stale keys,
+  // whose results are never read, but may report a NaN: the fix-up below then finds none).
+  constexpr int64_t kPad = 32;
+  bool blk_nan = false, col_nan = false;
+  if constexpr (BK == BlockKind::Row) {
+    blk_nan = scales_from_keys<F>(s.blk_key, (nrows * Scratch::kBlocks + kPad - 1) / kPad * kPad,
+                                  mode, s.blk_byte, s.blk_off);
+  } else if constexpr (BK == BlockKind::Tile) {
+    blk_nan = scales_from_keys<F>(s.blk_key, kPad * ((nb + kPad - 1) / kPad), mode, s.blk_byte,
+                                  s.blk_off);
+  }
+  if constexpr (COL) col_nan = scales_from_keys<F>(s.col_key, ncols, mode, s.col_byte, s.col_off);
+
+  // Pass 2: the elements, both layouts from one load.
+  const __m256i half_minus_one = _mm256_set1_epi16(C::kHalfMinusOne);
+  const __m256i one = _mm256_set1_epi16(1);
+  const __m256i max_code = _mm256_set1_epi16(C::kMaxCode);
+  const __m256i min_normal = _mm256_set1_epi16(C::kMinNormalCode);
+  const __m256i bf16_min_normal = _mm256_set1_epi16(0x0080);
+  const __m256i sign_bit = _mm256_set1_epi16(0x80);
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint16_t* row = src + r * ld;
+    const int64_t brow = BK == BlockKind::Row ? r * Scratch::kBlocks : 0;
+    uint8_t* bo = BK != BlockKind::None ? blk_out + r * ld_out : nullptr;
+    uint8_t* co = COL ? col_out + r * ld_out : nullptr;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i boff = _mm256_set1_epi16(s.blk_off[brow + b]);
+      __m256i blk_code[2], col_code[2];
+      __m256i bad = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = 32 * b + 16 * h;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j));
+        const __m256i xa = abs16(x);
+        // Round the 7-bit mantissa to M bits, ties to even, carrying into the exponent.
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(xa, C::kShift), one);
+        const __m256i base = _mm256_srli_epi16(
+            _mm256_add_epi16(_mm256_add_epi16(xa, half_minus_one), lsb), C::kShift);
+        const __m256i sign = _mm256_and_si256(_mm256_srli_epi16(x, 8), sign_bit);
+        __m256i low = _mm256_cmpgt_epi16(bf16_min_normal, xa);  // bf16 zero or subnormal
+        if constexpr (BK != BlockKind::None) {
+          const __m256i c = _mm256_sub_epi16(base, boff);
+          low = _mm256_or_si256(low, _mm256_cmpgt_epi16(min_normal, c));
+          blk_code[h] = _mm256_or_si256(_mm256_min_epi16(c, max_code), sign);
+        }
+        if constexpr (COL) {
+          const __m256i c = _mm256_sub_epi16(
+              base, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.col_off + j)));
+          low = _mm256_or_si256(low, _mm256_cmpgt_epi16(min_normal, c));
+          col_code[h] = _mm256_or_si256(_mm256_min_epi16(c, max_code), sign);
+        }
+        bad = _mm256_or_si256(bad, low);
+      }
+      if (__builtin_expect(!_mm256_testz_si256(bad, bad), 0)) {
+        encode_run_exact<F, BK, COL>(row + 32 * b, s.blk_byte[brow + b], s.col_byte + 32 * b,
+                                     bo ? bo + 32 * b : nullptr, co ? co + 32 * b : nullptr);
+        continue;
+      }
+      if constexpr (BK != BlockKind::None) {
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(bo + 32 * b),
+            _mm256_permute4x64_epi64(_mm256_packus_epi16(blk_code[0], blk_code[1]), 0xD8));
+      }
+      if constexpr (COL) {
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(co + 32 * b),
+            _mm256_permute4x64_epi64(_mm256_packus_epi16(col_code[0], col_code[1]), 0xD8));
+      }
+    }
+  }
+
+  // NaN/Inf blocks and columns: their element bytes are kElemNaN.
+  if (blk_nan) {
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int64_t brow = BK == BlockKind::Row ? r * Scratch::kBlocks : 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        if (s.blk_byte[brow + b] != zrw::mx::kScaleNaN) continue;
+        std::memset(blk_out + r * ld_out + 32 * b, zrw::mx::kElemNaN, kBlock);
+      }
+    }
+  }
+  if (col_nan) {
+    for (int64_t j = 0; j < ncols; ++j) {
+      if (s.col_byte[j] != zrw::mx::kScaleNaN) continue;
+      for (int64_t r = 0; r < nrows; ++r) col_out[r * ld_out + j] = zrw::mx::kElemNaN;
+    }
+  }
+}
+
+// Rows [r0, r0 + 32) (clipped to N) of one bf16 matrix (N, K): the strip is cut into chunks
+// of Scratch::kCols columns; a last partial 32-column block goes through a zero-padded copy
+// (missing elements count as 0 for amax, as everywhere in zrw).
+template <ElemFormat F, BlockKind BK, bool COL>
+void quantize_strip(const uint16_t* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
+                    uint8_t* blk_data, uint8_t* blk_scale, uint8_t* col_data, uint8_t* col_scale,
+                    Scratch& s) {
+  const int64_t nrows = std::min<int64_t>(kBlock, N - r0);
+  const int64_t KB = (K + kBlock - 1) / kBlock;
+  const int64_t strip = r0 / kBlock;
+  const int64_t kfull = K / kBlock * kBlock;
+  // Where chunk (c0, ncols)'s scale bytes go, from the scratch the chunk left them in.
+  auto write_scales = [&](int64_t c0, int64_t ncols, int64_t valid_cols) {
+    const int64_t nb = ncols / kBlock;
+    if constexpr (BK == BlockKind::Row) {
+      for (int64_t r = 0; r < nrows; ++r) {
+        std::memcpy(blk_scale + (r0 + r) * KB + c0 / kBlock, s.blk_byte + r * Scratch::kBlocks,
+                    nb);
+      }
+    } else if constexpr (BK == BlockKind::Tile) {
+      std::memcpy(blk_scale + strip * KB + c0 / kBlock, s.blk_byte, nb);
+    }
+    if constexpr (COL) std::memcpy(col_scale + strip * K + c0, s.col_byte, valid_cols);
+  };
+  for (int64_t c0 = 0; c0 < kfull; c0 += Scratch::kCols) {
+    const int64_t ncols = std::min(Scratch::kCols, kfull - c0);
+    quantize_chunk<F, BK, COL>(src + r0 * K + c0, K, nrows, ncols, mode,
+                               blk_data ? blk_data + r0 * K + c0 : nullptr,
+                               col_data ? col_data + r0 * K + c0 : nullptr, K, s);
+    write_scales(c0, ncols, ncols);
+  }
+  if (kfull == K) return;
+  const int64_t tail = K - kfull;
+  std::memset(s.tail_src, 0, sizeof(s.tail_src));
+  for (int64_t r = 0; r < nrows; ++r) {
+    std::memcpy(s.tail_src + r * kBlock, src + (r0 + r) * K + kfull, tail * sizeof(uint16_t));
+  }
+  quantize_chunk<F, BK, COL>(s.tail_src, kBlock, nrows, kBlock, mode, s.tail_blk, s.tail_col,
+                             kBlock, s);
+  write_scales(kfull, kBlock, tail);
+  for (int64_t r = 0; r < nrows; ++r) {
+    if (BK != BlockKind::None) {
+      std::memcpy(blk_data + (r0 + r) * K + kfull, s.tail_blk + r * kBlock, tail);
+    }
+    if (COL) std::memcpy(col_data + (r0 + r) * K + kfull, s.tail_col + r * kBlock, tail);
+  }
+}
+
+}  // namespace bf16_avx2
