@@ -23,8 +23,8 @@
 //   kernel does), so the bytes are the spec's for every input.
 #pragma once
 
-#if !defined(__AVX2__)
-#error "mx_cpu_quant_bf16_avx2.h needs an AVX2 build"
+#if !defined(__AVX2__) || !defined(ZRW_CPU_ISA)
+#error "mx_cpu_quant_bf16_avx2.h is part of an AVX2 (or wider) build of mx_cpu_quant_kernel.cpp"
 #endif
 
 #include <immintrin.h>
@@ -36,7 +36,9 @@
 
 #include "../common/mx_format.h"
 
-namespace bf16_avx2 {
+// Inside the per-ISA namespace: the avx2 and avx512 builds both compile this header, and their
+// inline functions must not be merged by the linker (an AVX-512 copy would run on AVX2 CPUs).
+namespace zrw::cpu::ZRW_CPU_ISA::bf16_avx2 {
 
 using zrw::mx::ElemFormat;
 using zrw::mx::ScaleMode;
@@ -316,4 +318,4 @@ void quantize_strip(const uint16_t* src, int64_t N, int64_t K, int64_t r0, Scale
   }
 }
 
-}  // namespace bf16_avx2
+}  // namespace zrw::cpu::ZRW_CPU_ISA::bf16_avx2

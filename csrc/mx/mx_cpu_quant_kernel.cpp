@@ -7,6 +7,10 @@
 // column chunk by column chunk: a chunk is converted to fp32 once into a small buffer that stays
 // in L1/L2, and every requested layout (blocks along K, blocks along N, 32x32 tiles) is written
 // from that one read. The element loops are plain C++ over fp32 bit patterns (mx_format.h).
+//
+// bf16 inputs on AVX2 (and AVX-512) builds take mx_cpu_quant_bf16_avx2.h instead: the same
+// strips, encoded in 16-bit lanes straight from the bf16 bits (~4x faster); the portable loops
+// here remain the path for fp16/fp32 inputs and for the base build.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -17,12 +21,13 @@
 
 #include "../common/mx_format.h"
 #include "mx_cpu_kernels.h"
-#if defined(__AVX2__)
-#include "mx_cpu_quant_bf16_avx2.h"
-#endif
 
 #ifndef ZRW_CPU_ISA
 #error "compile mx_cpu_quant_kernel.cpp with -DZRW_CPU_ISA=<base|avx2|avx512>"
+#endif
+
+#if defined(__AVX2__)
+#include "mx_cpu_quant_bf16_avx2.h"
 #endif
 
 namespace zrw::cpu::ZRW_CPU_ISA {
@@ -219,6 +224,7 @@ void quantize_bf16_avx2(const uint16_t* src, int64_t nmat, int64_t N, int64_t K,
       }
     });
   };
+  // Runtime choices -> template arguments.
   auto with_col = [&](auto f_tag, auto bk_tag) {
     if (col) {
       run(f_tag, bk_tag, std::true_type{});
@@ -226,20 +232,19 @@ void quantize_bf16_avx2(const uint16_t* src, int64_t nmat, int64_t N, int64_t K,
       run(f_tag, bk_tag, std::false_type{});
     }
   };
-  auto with_bk = [&](auto f_tag) {
-    using BKC = std::integral_constant<BlockKind, BlockKind::None>;
+  auto with_block_kind = [&](auto f_tag) {
     if (bk == BlockKind::Row) {
       with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Row>{});
     } else if (bk == BlockKind::Tile) {
       with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Tile>{});
     } else {
-      with_col(f_tag, BKC{});
+      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::None>{});
     }
   };
   if (fmt == ElemFormat::E4M3) {
-    with_bk(std::integral_constant<ElemFormat, ElemFormat::E4M3>{});
+    with_block_kind(std::integral_constant<ElemFormat, ElemFormat::E4M3>{});
   } else {
-    with_bk(std::integral_constant<ElemFormat, ElemFormat::E5M2>{});
+    with_block_kind(std::integral_constant<ElemFormat, ElemFormat::E5M2>{});
   }
 }
 #endif

@@ -35,3 +35,54 @@ def _fmt(c: object) -> str:
     if isinstance(c, float):
         return f"{c:.3g}" if abs(c) < 100 else f"{c:.0f}"
     return str(c)
+
+
+def best_of_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 7,
+                        warmup: int = 2) -> dict[str, float]:
+    """Best wall time in seconds of each function, calling them in turn for `rounds` rounds.
+
+    Round-robin rather than one function after the other: this machine's speed drifts over
+    seconds (shared host), and interleaving lets every function see the same drift, so their
+    ratios stay meaningful even when the absolute times move.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def glibc_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Sets glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD for this process; False where the C
+    library is not glibc (or refuses the values). Setting them turns off glibc's dynamic
+    thresholds for the rest of the process, so only the benchmarks' own processes call this."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def warm_heap() -> bool:
+    """Keep freed memory in glibc's heap (blocks up to 32 MiB from the heap, no trimming), so
+    that a kernel's output allocation reuses pages instead of faulting in fresh ones."""
+    return glibc_malloc(32 << 20, 1 << 30)
+
+
+def fresh_pages() -> bool:
+    """Serve every block of 64 KiB or more with fresh pages (mmap per allocation, munmap on
+    free): what a kernel pays when the allocator has returned its memory to the OS."""
+    return glibc_malloc(64 << 10, 128 << 10)
