@@ -8,9 +8,9 @@
 // in L1/L2, and every requested layout (blocks along K, blocks along N, 32x32 tiles) is written
 // from that one read. The element loops are plain C++ over fp32 bit patterns (mx_format.h).
 //
-// bf16 inputs on AVX2 (and AVX-512) builds take mx_cpu_quant_bf16_avx2.h instead: the same
-// strips, encoded in 16-bit lanes straight from the bf16 bits (~4x faster); the portable loops
-// here remain the path for fp16/fp32 inputs and for the base build.
+// AVX2 (and AVX-512) builds take mx_cpu_quant_avx2.h instead: the same strips, encoded in
+// 16-bit lanes from bf16 bits (fp32/fp16 staged as such first), several times faster; the
+// portable loops here remain the path of the base build.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -27,7 +27,7 @@
 #endif
 
 #if defined(__AVX2__)
-#include "mx_cpu_quant_bf16_avx2.h"
+#include "mx_cpu_quant_avx2.h"
 #endif
 
 namespace zrw::cpu::ZRW_CPU_ISA {
@@ -195,12 +195,12 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
 }
 
 #if defined(__AVX2__)
-// The bf16 fast path (mx_cpu_quant_bf16_avx2.h) for every layout combination the ops request:
-// blocks along rows or 32x32 tiles (or neither), with or without blocks down the columns.
-template <typename OutsOf>
-void quantize_bf16_avx2(const uint16_t* src, int64_t nmat, int64_t N, int64_t K, ElemFormat fmt,
+// The AVX2 path (mx_cpu_quant_avx2.h) for blocks along rows or 32x32 tiles (or neither), with
+// or without blocks down the columns. T: uint16_t (bf16 bits), float or at::Half.
+template <typename T, typename OutsOf>
+void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat fmt,
                         ScaleMode mode, const QuantOutputs& out, const OutsOf& outs_of) {
-  using bf16_avx2::BlockKind;
+  using avx2_path::BlockKind;
   const int64_t strips = mx::ceil_div(N, kBlock);
   const int64_t total = nmat * strips;
   const BlockKind bk =
@@ -212,13 +212,13 @@ void quantize_bf16_avx2(const uint16_t* src, int64_t nmat, int64_t N, int64_t K,
     constexpr bool COL = decltype(col_tag)::value;
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
     at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-      auto scratch = std::make_unique<bf16_avx2::Scratch>();
+      auto scratch = std::make_unique<avx2_path::Scratch>();
       for (int64_t i = begin; i < end; ++i) {
         const int64_t m = i / strips;
         const QuantOutputs o = outs_of(m);
         uint8_t* blk_data = BK == BlockKind::Row ? o.row_data : o.tile_data;
         uint8_t* blk_scale = BK == BlockKind::Row ? o.row_scale : o.tile_scale;
-        bf16_avx2::quantize_strip<F, BK, COL>(src + m * N * K, N, K, (i % strips) * kBlock, mode,
+        avx2_path::quantize_strip<F, BK, COL>(src + m * N * K, N, K, (i % strips) * kBlock, mode,
                                               blk_data, blk_scale, o.col_data, o.col_scale,
                                               *scratch);
       }
@@ -270,9 +270,19 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, 
     return o;
   };
 #if defined(__AVX2__)
-  if (src_dtype == at::kBFloat16 && !(out.row_data && out.tile_data)) {
-    quantize_bf16_avx2(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out, outs_of);
-    return;
+  if (!(out.row_data && out.tile_data)) {  // every combination the ops request
+    if (src_dtype == at::kBFloat16) {
+      quantize_avx2(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      return;
+    }
+    if (src_dtype == at::kFloat) {
+      quantize_avx2(static_cast<const float*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      return;
+    }
+    if (src_dtype == at::kHalf) {
+      quantize_avx2(static_cast<const at::Half*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      return;
+    }
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src_dtype, "zrw_mx_quantize", [&] {

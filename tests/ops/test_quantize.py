@@ -684,6 +684,63 @@ def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mo
                                     tiles.shape, "mx_quantize_block")
 
 
+# fp32 and fp16 go through the same 16-bit encode after staging as "jammed bf16" (the OR of the
+# 16 dropped mantissa bits kept in the lowest bf16 bit). These inputs make that jam decide:
+# every bf16 pattern with low halves 0, 1, 0x8000 and 0xFFFF (ties broken by a low bit), block
+# amaxes with mantissa exactly 1.75 and 1.75 plus one ulp (rceil picks different scales), and fp32
+# subnormals in blocks whose amax is an fp32 subnormal (elements scaled up by 2^127).
+
+FP32_ANCHOR_BITS = [0x00000003, 0x007FFFFF, 0x00E00000, 0x00E00001, 0x3FE00000, 0x3FE00001,
+                    0x43E00000, 0x47600001, 0x7F7FFFFF]
+
+
+def _fp32_blocks_under(anchor_bits, gen):
+    anchor = torch.tensor([anchor_bits], dtype=torch.int32).view(torch.float32).item()
+    bits = torch.arange(0, 1 << 16, dtype=torch.int64)
+    low = torch.tensor([0, 1, 0x8000, 0xFFFF], dtype=torch.int64)
+    patterns = ((bits[:, None] << 16) | low[None, :]).view(-1)
+    values = patterns.to(torch.int32).view(torch.float32)
+    values = values[torch.isfinite(values) & (values.abs() <= anchor)]
+    values = values[torch.randperm(values.numel(), generator=gen)[:200_000]]
+    rows = -(-values.numel() // (BLOCK - 1))
+    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.float32)
+    body[: values.numel()] = values
+    anchors = torch.full((rows, 1), anchor, dtype=torch.float32)
+    anchors[1::2] *= -1
+    return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
+
+
+def _fp16_every_pattern_blocks(anchor):
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = bits[torch.isfinite(bits) & (bits.float().abs() <= anchor)]
+    rows = -(-finite.numel() // (BLOCK - 1))
+    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.float16)
+    body[: finite.numel()] = finite
+    anchors = torch.full((rows, 1), anchor, dtype=torch.float16)
+    return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
+                         isinstance(v, torch.dtype) else v)
+def test_fp32_fp16_rounding_sticky_bits_and_subnormals(src_dtype, elem_dtype, scale_mode):
+    gen = torch.Generator().manual_seed(stable_seed("jam", str(src_dtype), str(elem_dtype),
+                                                    scale_mode))
+    if src_dtype == torch.float32:
+        x = torch.cat([_fp32_blocks_under(a, gen) for a in FP32_ANCHOR_BITS])
+    else:
+        x = torch.cat([_fp16_every_pattern_blocks(a)
+                       for a in (2.0**-24, 2.0**-14 * 1.75, 1.875, 448.0, 65504.0)])
+    for blocked, dim in ((x, -1), (x.t().contiguous(), 0)):
+        assert_same_quantization(ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
+                                 ref.mx_quantize(blocked, dim, elem_dtype, scale_mode), dim,
+                                 f"mx_quantize dim={dim}")
+        got = ops.mx_quantize_dual(blocked, elem_dtype, scale_mode)
+        exp = ref.mx_quantize_dual(blocked, elem_dtype, scale_mode)
+        assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual fwd")
+        assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual bwd")
+
+
 # ------------------------------------------------------------------------------------------------
 # every CPU kernel build (ZRW_CPU_ISA), each in its own process
 

@@ -1,10 +1,10 @@
-// The bf16 fast path of the CPU quantization kernel, in AVX2 intrinsics. Included by
+// The AVX2 path of the CPU quantization kernel, in intrinsics. Included by
 // mx_cpu_quant_kernel.cpp inside its per-ISA namespace when the build targets AVX2 or wider;
-// the portable strip kernel there stays the path for fp16/fp32 inputs and for the base build,
-// and the tests check that every build gives the same bytes.
+// the portable strip kernel there stays the path for the base build, and the tests check that
+// every build gives the same bytes.
 //
-// Why a separate path: bf16 is the weights' dtype, and for a bf16 element the whole MXFP8
-// encode can stay in 16-bit integer lanes (16 per register instead of 8 fp32 lanes):
+// The whole MXFP8 encode runs in 16-bit integer lanes (16 per register instead of 8 fp32
+// lanes), on bf16 bit patterns:
 //
 // * Amax: |x| is the bf16 bit pattern with the sign cleared; for non-negative bf16 the integer
 //   order is the value order, NaN above Inf (mx::abs_key, on 16 bits), so a block amax is an
@@ -17,28 +17,34 @@
 //   clamped to the largest finite code. The two axes of the dual quantization share base(x)
 //   and differ only by that subtraction.
 // * That identity holds while the element is a normal of the element format: code >= 2^M, and
-//   x itself not a bf16 zero or subnormal. Any 32-element run with a lane outside it (zeros,
+//   x itself not a zero or subnormal. Any 32-element run with a lane outside it (zeros,
 //   elements more than ~2^14 (E4M3) / 2^29 (E5M2) below their block's amax, NaN/Inf blocks)
-//   is redone by the exact scalar path (mx::encode_elem_lane on x * 2^-e, as the portable
-//   kernel does), so the bytes are the spec's for every input.
+//   is redone by the exact scalar path (mx::encode_elem_lane on x * 2^-e from the original
+//   input, as the portable kernel does), so the bytes are the spec's for every input.
+// * fp32 and fp16 inputs (fp16 widened exactly to fp32) are first staged as "jammed bf16":
+//   sign, exponent and the top 7 mantissa bits, with the OR of the 16 dropped bits put into the
+//   lowest kept bit. Jamming is monotone, so block amaxes keep their order, exponent and "above
+//   1.75" test (both scale rules), and the jammed bit lies below every rounding position used
+//   (M <= 3), so nearest-even rounding to M bits sees the same above/at/below-half decision.
 #pragma once
 
 #if !defined(__AVX2__) || !defined(ZRW_CPU_ISA)
-#error "mx_cpu_quant_bf16_avx2.h is part of an AVX2 (or wider) build of mx_cpu_quant_kernel.cpp"
+#error "mx_cpu_quant_avx2.h is part of an AVX2 (or wider) build of mx_cpu_quant_kernel.cpp"
 #endif
 
+#include <ATen/ATen.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <type_traits>
 
 #include "../common/mx_format.h"
 
 // Inside the per-ISA namespace: the avx2 and avx512 builds both compile this header, and their
 // inline functions must not be merged by the linker (an AVX-512 copy would run on AVX2 CPUs).
-namespace zrw::cpu::ZRW_CPU_ISA::bf16_avx2 {
+namespace zrw::cpu::ZRW_CPU_ISA::avx2_path {
 
 using zrw::mx::ElemFormat;
 using zrw::mx::ScaleMode;
@@ -70,8 +76,12 @@ struct Scratch {
   alignas(32) uint16_t blk_key[kBlock * kBlocks];
   alignas(32) int16_t blk_off[kBlock * kBlocks];
   alignas(32) uint8_t blk_byte[kBlock * kBlocks];
-  // Zero-padded copy of a strip's last partial 32-column block, and its outputs.
+  // fp32/fp16 inputs: a chunk staged as jammed bf16.
+  alignas(32) uint16_t stage[kBlock * kCols];
+  // Zero-padded copy of a strip's last partial 32-column block (as 16-bit keys and as the
+  // original values), and its outputs.
   alignas(32) uint16_t tail_src[kBlock * kBlock];
+  alignas(32) float tail_orig[kBlock * kBlock];
   alignas(32) uint8_t tail_blk[kBlock * kBlock];
   alignas(32) uint8_t tail_col[kBlock * kBlock];
 };
@@ -128,14 +138,21 @@ inline bool scales_from_keys(const uint16_t* keys, int64_t n, ScaleMode mode, ui
 // 2^-e for a scale byte, as the portable kernel multiplies by it.
 inline float inv_scale(uint8_t byte) { return zrw::mx::inv_scale_from_byte(byte); }
 
-// The exact path for one 32-element run of a row: every element through x * 2^-e and
-// mx::encode_elem_lane, the way the portable kernel computes it.
-template <ElemFormat F, BlockKind BK, bool COL>
-inline void encode_run_exact(const uint16_t* x, uint8_t blk_byte, const uint8_t* col_byte,
+// Input elements as fp32: bf16 travels as its bit pattern (uint16_t).
+inline float to_float(uint16_t bf16_bits) {
+  return zrw::mx::bits_f32(static_cast<uint32_t>(bf16_bits) << 16);
+}
+inline float to_float(float x) { return x; }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// The exact path for one 32-element run of a row of original input elements: every element
+// through x * 2^-e and mx::encode_elem_lane, the way the portable kernel computes it.
+template <ElemFormat F, BlockKind BK, bool COL, typename T>
+inline void encode_run_exact(const T* x, uint8_t blk_byte, const uint8_t* col_byte,
                              uint8_t* blk_out, uint8_t* col_out) {
   const float blk_inv = inv_scale(blk_byte);
   for (int j = 0; j < kBlock; ++j) {
-    const float v = zrw::mx::bits_f32(static_cast<uint32_t>(x[j]) << 16);
+    const float v = to_float(x[j]);
     if constexpr (BK != BlockKind::None) {
       blk_out[j] = static_cast<uint8_t>(zrw::mx::encode_elem_lane<F>(v * blk_inv));
     }
@@ -145,14 +162,15 @@ inline void encode_run_exact(const uint16_t* x, uint8_t blk_byte, const uint8_t*
   }
 }
 
-// One chunk: `nrows` (<= 32) rows of `ncols` (a multiple of 32, <= Scratch::kCols) bf16
-// columns at `src` (row stride `ld`), written to blk_out/col_out (row stride `ld_out`), with
-// the scale bytes left in s.blk_byte ([row][block]; row 0 for tiles) and s.col_byte. Blocks
-// and columns whose scale is NaN (0xFF) get element bytes kElemNaN.
-template <ElemFormat F, BlockKind BK, bool COL>
-void quantize_chunk(const uint16_t* src, int64_t ld, int64_t nrows, int64_t ncols,
-                    ScaleMode mode, uint8_t* blk_out, uint8_t* col_out, int64_t ld_out,
-                    Scratch& s) {
+// One chunk: `nrows` (<= 32) rows of `ncols` (a multiple of 32, <= Scratch::kCols) columns
+// of bf16 (or jammed bf16) keys at `src` (row stride `ld`) and of the original elements at
+// `orig` (row stride `ld_orig`; read only by the exact path), written to blk_out/col_out (row
+// stride `ld_out`), with the scale bytes left in s.blk_byte ([row][block]; row 0 for tiles)
+// and s.col_byte. Blocks and columns whose scale is NaN (0xFF) get element bytes kElemNaN.
+template <ElemFormat F, BlockKind BK, bool COL, typename T>
+void quantize_chunk(const uint16_t* src, int64_t ld, const T* orig, int64_t ld_orig,
+                    int64_t nrows, int64_t ncols, ScaleMode mode, uint8_t* blk_out,
+                    uint8_t* col_out, int64_t ld_out, Scratch& s) {
   using C = Bf16Encode<F>;
   constexpr bool kNeedCols = COL || BK == BlockKind::Tile;
   const int64_t nb = ncols / kBlock;
@@ -235,7 +253,8 @@ void quantize_chunk(const uint16_t* src, int64_t ld, int64_t nrows, int64_t ncol
         bad = _mm256_or_si256(bad, low);
       }
       if (__builtin_expect(!_mm256_testz_si256(bad, bad), 0)) {
-        encode_run_exact<F, BK, COL>(row + 32 * b, s.blk_byte[brow + b], s.col_byte + 32 * b,
+        encode_run_exact<F, BK, COL>(orig + r * ld_orig + 32 * b, s.blk_byte[brow + b],
+                                     s.col_byte + 32 * b,
                                      bo ? bo + 32 * b : nullptr, co ? co + 32 * b : nullptr);
         continue;
       }
@@ -270,13 +289,41 @@ void quantize_chunk(const uint16_t* src, int64_t ld, int64_t nrows, int64_t ncol
   }
 }
 
-// Rows [r0, r0 + 32) (clipped to N) of one bf16 matrix (N, K): the strip is cut into chunks
-// of Scratch::kCols columns; a last partial 32-column block goes through a zero-padded copy
-// (missing elements count as 0 for amax, as everywhere in zrw).
-template <ElemFormat F, BlockKind BK, bool COL>
-void quantize_strip(const uint16_t* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
+// 8 fp32 lanes -> 8 jammed bf16 keys in 32-bit lanes (see the header comment).
+inline __m256i jam8(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i dropped = _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF));
+  const __m256i sticky =
+      _mm256_andnot_si256(_mm256_cmpeq_epi32(dropped, _mm256_setzero_si256()),
+                          _mm256_set1_epi32(1));
+  return _mm256_or_si256(_mm256_srli_epi32(x, 16), sticky);
+}
+
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+// n (a multiple of 16) fp32/fp16 elements -> jammed bf16 keys.
+template <typename T>
+inline void stage_row(const T* x, uint16_t* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    // packus_epi32 works per 128-bit lane; the permute puts the 16 keys back in order.
+    const __m256i packed = _mm256_packus_epi32(jam8(load8(x + j)), jam8(load8(x + j + 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+}
+
+// Rows [r0, r0 + 32) (clipped to N) of one matrix (N, K) of bf16 (as uint16_t bits), fp32 or
+// fp16: the strip is cut into chunks of Scratch::kCols columns (fp32/fp16 chunks staged as
+// jammed bf16 first); a last partial 32-column block goes through a zero-padded copy (missing
+// elements count as 0 for amax, as everywhere in zrw).
+template <ElemFormat F, BlockKind BK, bool COL, typename T>
+void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
                     uint8_t* blk_data, uint8_t* blk_scale, uint8_t* col_data, uint8_t* col_scale,
                     Scratch& s) {
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   const int64_t nrows = std::min<int64_t>(kBlock, N - r0);
   const int64_t KB = (K + kBlock - 1) / kBlock;
   const int64_t strip = r0 / kBlock;
@@ -296,19 +343,45 @@ void quantize_strip(const uint16_t* src, int64_t N, int64_t K, int64_t r0, Scale
   };
   for (int64_t c0 = 0; c0 < kfull; c0 += Scratch::kCols) {
     const int64_t ncols = std::min(Scratch::kCols, kfull - c0);
-    quantize_chunk<F, BK, COL>(src + r0 * K + c0, K, nrows, ncols, mode,
+    const T* orig = src + r0 * K + c0;
+    const uint16_t* keys;
+    int64_t ld_keys;
+    if constexpr (kBf16) {
+      keys = orig;
+      ld_keys = K;
+    } else {
+      for (int64_t r = 0; r < nrows; ++r) {
+        stage_row(orig + r * K, s.stage + r * Scratch::kCols, ncols);
+      }
+      keys = s.stage;
+      ld_keys = Scratch::kCols;
+    }
+    quantize_chunk<F, BK, COL>(keys, ld_keys, orig, K, nrows, ncols, mode,
                                blk_data ? blk_data + r0 * K + c0 : nullptr,
                                col_data ? col_data + r0 * K + c0 : nullptr, K, s);
     write_scales(c0, ncols, ncols);
   }
   if (kfull == K) return;
   const int64_t tail = K - kfull;
-  std::memset(s.tail_src, 0, sizeof(s.tail_src));
+  std::memset(s.tail_orig, 0, sizeof(s.tail_orig));
   for (int64_t r = 0; r < nrows; ++r) {
-    std::memcpy(s.tail_src + r * kBlock, src + (r0 + r) * K + kfull, tail * sizeof(uint16_t));
+    for (int64_t j = 0; j < tail; ++j) {
+      s.tail_orig[r * kBlock + j] = to_float(src[(r0 + r) * K + kfull + j]);
+    }
   }
-  quantize_chunk<F, BK, COL>(s.tail_src, kBlock, nrows, kBlock, mode, s.tail_blk, s.tail_col,
-                             kBlock, s);
+  // Keys of the tail: bf16 bits as they are, fp32/fp16 (now fp32) jammed.
+  for (int64_t r = 0; r < kBlock; ++r) {
+    if constexpr (kBf16) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        s.tail_src[r * kBlock + j] = static_cast<uint16_t>(
+            zrw::mx::f32_bits(s.tail_orig[r * kBlock + j]) >> 16);
+      }
+    } else {
+      stage_row(s.tail_orig + r * kBlock, s.tail_src + r * kBlock, kBlock);
+    }
+  }
+  quantize_chunk<F, BK, COL>(s.tail_src, kBlock, s.tail_orig, kBlock, nrows, kBlock, mode,
+                             s.tail_blk, s.tail_col, kBlock, s);
   write_scales(kfull, kBlock, tail);
   for (int64_t r = 0; r < nrows; ++r) {
     if (BK != BlockKind::None) {
@@ -318,4 +391,4 @@ void quantize_strip(const uint16_t* src, int64_t N, int64_t K, int64_t r0, Scale
   }
 }
 
-}  // namespace zrw::cpu::ZRW_CPU_ISA::bf16_avx2
+}  // namespace zrw::cpu::ZRW_CPU_ISA::avx2_path
