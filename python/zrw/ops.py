@@ -180,7 +180,7 @@ def quant_and_release(
     release_frozen: bool = False,
     elem_dtype: torch.dtype = E4M3,
     scale_mode: str = "floor",
-    name: str = "",
+    name: Optional[str] = None,
 ) -> MXWeight:
     """The fused op of zero-redundancy weights: cache lookup; on a miss quantize, insert, release.
 
@@ -190,13 +190,27 @@ def quant_and_release(
     under grad mode, outside zrw.no_release(), whose storage it alone owns and fills exactly.
     Frozen weights (requires_grad=False) are released only with release_frozen=True, and then
     stay FP8-only for good. Later calls in the same step return the cached tensors without
-    touching w. `name` appears in the error raised by any access to the released weight.
+    touching w. `name` appears in the error raised by any access to the released weight; None
+    takes the name set with `set_weight_name` (the layers set their parameters' names there, so
+    that a compiled forward never reads a per-layer string and recompiles for each layer).
     """
     release = release and release_enabled()
+    if name is None:
+        name = weight_name(w)
     tensors = torch.ops.zrw.quant_and_release(
         w, recipe, release, release_frozen, elem_dtype, scale_mode, name
     )
     return MXWeight.from_tensors(recipe, tensors)
+
+
+def set_weight_name(w: Tensor, name: str) -> None:
+    """Name `w` for zrw's messages (the release poison, cache_entries) where a call passes none."""
+    w._zrw_name = name
+
+
+def weight_name(w: Tensor) -> str:
+    """The name set with `set_weight_name`, or ""."""
+    return getattr(w, "_zrw_name", "") or ""
 
 
 def _check_fill(op: str, fill: str) -> None:

@@ -450,6 +450,36 @@ def test_compiled_mlp_matches_eager(recipe):
     assert_same_weights(runs[0][1], runs[1][1], "compiled vs eager")
 
 
+def test_compiled_deep_model_compiles_each_layer_code_once():
+    # 12 MXLinear layers: the layers' forward (and its resume functions after the cache lookup,
+    # which dynamo skips) must compile for the first layer and be reused by the others, not
+    # recompile per layer until torch.compile gives up and runs the rest eagerly. Allowed: one
+    # recompile for the first layer's input not requiring grad.
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(32, 32, dtype=BF16), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    zrw.convert(model, "mxfp8")
+    names = [m.zrw_name for m in model if isinstance(m, MXLinear)]
+    assert names == [f"{i}.weight" for i in range(0, 24, 2)]
+    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=1e-2), fill="dequant")
+    x = torch.randn(4, 32, dtype=BF16)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+            compiled = torch.compile(model, backend="eager")
+            for _ in range(2):
+                compiled(x).float().pow(2).mean().backward()
+                # the names still reach the cache: entries carry them
+                assert {e["name"] for e in ops.cache_entries()} >= set(names)
+                opt.step()
+                opt.zero_grad()
+    finally:
+        ops.cache_clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_compiled_qwen3_matches_eager():
     batches = make_batches(2, 2, seed=9)

@@ -72,21 +72,23 @@ class _MXGroupedFn(torch.autograd.Function):
 
 def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: QuantRecipe,
                       release: bool = True, release_frozen: bool = False,
-                      name: str = "") -> Tensor:
+                      name: Optional[str] = None) -> Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T on MXFP8 operands.
 
     x: (T, K) with its rows grouped by expert, counts[e] rows for expert e (sum(counts) == T);
-    weight: (E, N, K). Returns (T, N).
+    weight: (E, N, K). Returns (T, N). `name` (for messages) defaults to the weight's own
+    (zrw.ops.set_weight_name).
     """
+    shown = ops.weight_name(weight) if name is None else name
     if weight.dim() != 3:
-        raise ValueError(f"mx_grouped_linear: weight '{name}' must be 3-d (E, N, K), got shape "
+        raise ValueError(f"mx_grouped_linear: weight '{shown}' must be 3-d (E, N, K), got shape "
                          f"{tuple(weight.shape)}")
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"mx_grouped_linear: counts must have one entry per expert "
                          f"({weight.shape[0]}) summing to the {x.shape[0]} rows of x, got "
                          f"{len(counts)} entries summing to {sum(counts)}")
     if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{name}''s K "
+        raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
                          f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
     return _MXGroupedFn.apply(x.contiguous(), weight, list(counts), q.fwd.data, q.fwd.scale,
@@ -106,11 +108,19 @@ class MXGroupedLinear(nn.Module):
         nn.init.normal_(self.weight, std=in_features ** -0.5)
         self.recipe = get_recipe(recipe)
         self.release = release
-        self.zrw_name = ""
+        self.zrw_name = "MXGroupedLinear.weight"
+
+    # On the Parameter, as MXLinear does (see there: torch.compile would guard on the string).
+    @property
+    def zrw_name(self) -> str:
+        return ops.weight_name(self.weight)
+
+    @zrw_name.setter
+    def zrw_name(self, name: str) -> None:
+        ops.set_weight_name(self.weight, name)
 
     def forward(self, x: Tensor, counts: Sequence[int]) -> Tensor:
-        return mx_grouped_linear(x, self.weight, counts, self.recipe, self.release,
-                                 name=self.zrw_name or "MXGroupedLinear.weight")
+        return mx_grouped_linear(x, self.weight, counts, self.recipe, self.release)
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -142,6 +152,10 @@ class MXFusedExperts(nn.Module):
         self.num_experts = self.gate_up_proj.shape[0]
         self.recipe = get_recipe(recipe)
         self.release, self.release_frozen = release, release_frozen
+        # Each expert stack carries its name (see MXLinear: read outside compiled regions).
+        base = name or "experts"
+        ops.set_weight_name(self.gate_up_proj, f"{base}.gate_up_proj")
+        ops.set_weight_name(self.down_proj, f"{base}.down_proj")
         self.zrw_name = name
         self.training = source.training
         self.source_type = type(source).__name__
@@ -158,13 +172,12 @@ class MXFusedExperts(nn.Module):
         n_routed = sum(counts)
         order, token_of = order[:n_routed], token_of[:n_routed]  # drops any index >= E
         x = hidden_states[token_of]
-        base = self.zrw_name or "experts"
         gu = mx_grouped_linear(x, self.gate_up_proj, counts, self.recipe, self.release,
-                               self.release_frozen, name=f"{base}.gate_up_proj")
+                               self.release_frozen)
         gate, up = gu.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
         out = mx_grouped_linear(h, self.down_proj, counts, self.recipe, self.release,
-                                self.release_frozen, name=f"{base}.down_proj")
+                                self.release_frozen)
         out = out * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         final.index_add_(0, token_of, out.to(final.dtype))

@@ -71,7 +71,7 @@ class _MXLinearFn(torch.autograd.Function):
 
 
 def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
-                   name: str) -> ops.MXWeight:
+                   name: Optional[str]) -> ops.MXWeight:
     """The weight's MX planes: from FSDP2's MXFP8 all-gather when the weight is a gathered one
     (bwd is None: it is read from the weight in backward, after FSDP2's re-gather), else from
     the native cache."""
@@ -88,10 +88,12 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
 
 
 def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
-              release: bool = True, release_frozen: bool = False, name: str = "",
+              release: bool = True, release_frozen: bool = False, name: Optional[str] = None,
               main_grad: bool = False) -> Tensor:
-    """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K), W (N, K)."""
+    """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K), W (N, K). `name`
+    (for messages) defaults to the weight's own (zrw.ops.set_weight_name)."""
     if x.shape[-1] != weight.shape[-1]:
+        name = ops.weight_name(weight) if name is None else name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
@@ -122,7 +124,7 @@ class MXLinear(nn.Linear):
         self.release = release
         self.release_frozen = release_frozen
         self.main_grad = main_grad
-        self.zrw_name = ""
+        self.zrw_name = "MXLinear.weight"
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str | QuantRecipe = "mxfp8",
@@ -136,16 +138,27 @@ class MXLinear(nn.Linear):
         m.bias = linear.bias
         m.recipe = get_recipe(recipe)
         m.release, m.release_frozen, m.main_grad = release, release_frozen, main_grad
-        m.zrw_name = name
+        m.zrw_name = name or "MXLinear.weight"
         # Hooks and training flag carry over, so the swap is invisible to the rest of the model.
         m.training = linear.training
         m._forward_hooks = linear._forward_hooks
         m._forward_pre_hooks = linear._forward_pre_hooks
         return m
 
+    # The name lives on the weight Parameter (zrw.ops.set_weight_name), where the cache reads it
+    # outside any compiled region: a per-layer string read in forward would make torch.compile
+    # guard on it and recompile the forward for every layer.
+    @property
+    def zrw_name(self) -> str:
+        return ops.weight_name(self.weight)
+
+    @zrw_name.setter
+    def zrw_name(self, name: str) -> None:
+        ops.set_weight_name(self.weight, name)
+
     def forward(self, x: Tensor) -> Tensor:
         return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
-                         self.release_frozen, self.zrw_name or "MXLinear.weight", self.main_grad)
+                         self.release_frozen, None, self.main_grad)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")
