@@ -651,26 +651,28 @@ BF16_ANCHORS = [
 ]
 
 
-def _bf16_every_pattern_blocks(anchor):
-    """Rows of 32: the anchor first, then every finite bf16 pattern of magnitude <= anchor."""
-    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+def _every_pattern_blocks(dtype, anchor):
+    """Rows of 32 of a 16-bit dtype: the anchor first (sign alternating by row), then every
+    finite bit pattern of magnitude <= anchor."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = bits[torch.isfinite(bits) & (bits.float().abs() <= anchor)]
-    rows = -(-finite.numel() // (BLOCK - 1))
-    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.bfloat16)
-    body[: finite.numel()] = finite
-    anchors = torch.full((rows, 1), anchor, dtype=torch.bfloat16)
+    return _blocks_under(finite, anchor)
+
+
+def _blocks_under(values, anchor):
+    """Rows of 32: +-anchor first, then `values` (all of magnitude <= anchor), zero padded."""
+    rows = -(-values.numel() // (BLOCK - 1))
+    body = torch.zeros(rows * (BLOCK - 1), dtype=values.dtype)
+    body[: values.numel()] = values
+    anchors = torch.full((rows, 1), anchor, dtype=values.dtype)
     anchors[1::2] *= -1
     return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
 
 
-@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
-                         isinstance(v, torch.dtype) else v)
-def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mode):
-    x = torch.cat([_bf16_every_pattern_blocks(a) for a in BF16_ANCHORS])
-    x = torch.cat([x, torch.tensor([[math.inf] + [1.0] * 31, [math.nan] + [-2.0] * 31],
-                                   dtype=torch.bfloat16)])
-    for blocked in (x, x.t().contiguous()):
-        dim = -1 if blocked is x else 0
+def _assert_both_axes_match_reference(x, elem_dtype, scale_mode):
+    """mx_quantize and mx_quantize_dual of x (blocks along its rows) and of its transposed copy
+    (the same blocks down the columns) equal the reference byte for byte."""
+    for blocked, dim in ((x, -1), (x.t().contiguous(), 0)):
         assert_same_quantization(ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
                                  ref.mx_quantize(blocked, dim, elem_dtype, scale_mode), dim,
                                  f"mx_quantize dim={dim}")
@@ -678,6 +680,15 @@ def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mo
         exp = ref.mx_quantize_dual(blocked, elem_dtype, scale_mode)
         assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual fwd")
         assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual bwd")
+
+
+@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
+                         isinstance(v, torch.dtype) else v)
+def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mode):
+    x = torch.cat([_every_pattern_blocks(torch.bfloat16, a) for a in BF16_ANCHORS])
+    x = torch.cat([x, torch.tensor([[math.inf] + [1.0] * 31, [math.nan] + [-2.0] * 31],
+                                   dtype=torch.bfloat16)])
+    _assert_both_axes_match_reference(x, elem_dtype, scale_mode)
     tiles = x[: x.shape[0] // BLOCK * BLOCK]
     assert_block_quantization_equal(ops.mx_quantize_block(tiles, elem_dtype, scale_mode),
                                     ref.mx_quantize_block(tiles, elem_dtype, scale_mode),
@@ -701,23 +712,7 @@ def _fp32_blocks_under(anchor_bits, gen):
     patterns = ((bits[:, None] << 16) | low[None, :]).view(-1)
     values = patterns.to(torch.int32).view(torch.float32)
     values = values[torch.isfinite(values) & (values.abs() <= anchor)]
-    values = values[torch.randperm(values.numel(), generator=gen)[:200_000]]
-    rows = -(-values.numel() // (BLOCK - 1))
-    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.float32)
-    body[: values.numel()] = values
-    anchors = torch.full((rows, 1), anchor, dtype=torch.float32)
-    anchors[1::2] *= -1
-    return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
-
-
-def _fp16_every_pattern_blocks(anchor):
-    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    finite = bits[torch.isfinite(bits) & (bits.float().abs() <= anchor)]
-    rows = -(-finite.numel() // (BLOCK - 1))
-    body = torch.zeros(rows * (BLOCK - 1), dtype=torch.float16)
-    body[: finite.numel()] = finite
-    anchors = torch.full((rows, 1), anchor, dtype=torch.float16)
-    return torch.cat([anchors, body.view(rows, BLOCK - 1)], dim=1)
+    return _blocks_under(values[torch.randperm(values.numel(), generator=gen)[:200_000]], anchor)
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16], ids=dtype_id)
@@ -729,16 +724,9 @@ def test_fp32_fp16_rounding_sticky_bits_and_subnormals(src_dtype, elem_dtype, sc
     if src_dtype == torch.float32:
         x = torch.cat([_fp32_blocks_under(a, gen) for a in FP32_ANCHOR_BITS])
     else:
-        x = torch.cat([_fp16_every_pattern_blocks(a)
+        x = torch.cat([_every_pattern_blocks(torch.float16, a)
                        for a in (2.0**-24, 2.0**-14 * 1.75, 1.875, 448.0, 65504.0)])
-    for blocked, dim in ((x, -1), (x.t().contiguous(), 0)):
-        assert_same_quantization(ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
-                                 ref.mx_quantize(blocked, dim, elem_dtype, scale_mode), dim,
-                                 f"mx_quantize dim={dim}")
-        got = ops.mx_quantize_dual(blocked, elem_dtype, scale_mode)
-        exp = ref.mx_quantize_dual(blocked, elem_dtype, scale_mode)
-        assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual fwd")
-        assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual bwd")
+    _assert_both_axes_match_reference(x, elem_dtype, scale_mode)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..config import QuantRecipe, get_recipe
-from .linear import _weight_planes
+from .linear import NamedWeight, _weight_planes
 
 
 class _MXGroupedFn(torch.autograd.Function):
@@ -95,7 +95,7 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)
 
 
-class MXGroupedLinear(nn.Module):
+class MXGroupedLinear(NamedWeight, nn.Module):
     """A stack of E expert linears (E, out_features, in_features) on MXFP8, tokens grouped by
     expert: forward(x, counts) with x (T, in_features) grouped, counts[e] rows per expert."""
 
@@ -109,15 +109,6 @@ class MXGroupedLinear(nn.Module):
         self.recipe = get_recipe(recipe)
         self.release = release
         self.zrw_name = "MXGroupedLinear.weight"
-
-    # On the Parameter, as MXLinear does (see there: torch.compile would guard on the string).
-    @property
-    def zrw_name(self) -> str:
-        return ops.weight_name(self.weight)
-
-    @zrw_name.setter
-    def zrw_name(self, name: str) -> None:
-        ops.set_weight_name(self.weight, name)
 
     def forward(self, x: Tensor, counts: Sequence[int]) -> Tensor:
         return mx_grouped_linear(x, self.weight, counts, self.recipe, self.release)

@@ -105,7 +105,22 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class MXLinear(nn.Linear):
+class NamedWeight:
+    """`zrw_name`, the name zrw's messages give a layer's `weight`, kept on the Parameter itself
+    (zrw.ops.set_weight_name), where the cache reads it outside any compiled region: a per-layer
+    string read in forward would make torch.compile guard on it and recompile the forward for
+    every layer."""
+
+    @property
+    def zrw_name(self) -> str:
+        return ops.weight_name(self.weight)
+
+    @zrw_name.setter
+    def zrw_name(self, name: str) -> None:
+        ops.set_weight_name(self.weight, name)
+
+
+class MXLinear(NamedWeight, nn.Linear):
     """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights.
 
     The weight (and bias) are ordinary parameters — same objects, same state_dict keys — but the
@@ -144,17 +159,6 @@ class MXLinear(nn.Linear):
         m._forward_hooks = linear._forward_hooks
         m._forward_pre_hooks = linear._forward_pre_hooks
         return m
-
-    # The name lives on the weight Parameter (zrw.ops.set_weight_name), where the cache reads it
-    # outside any compiled region: a per-layer string read in forward would make torch.compile
-    # guard on it and recompile the forward for every layer.
-    @property
-    def zrw_name(self) -> str:
-        return ops.weight_name(self.weight)
-
-    @zrw_name.setter
-    def zrw_name(self, name: str) -> None:
-        ops.set_weight_name(self.weight, name)
 
     def forward(self, x: Tensor) -> Tensor:
         return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
