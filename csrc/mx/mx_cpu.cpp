@@ -1,5 +1,6 @@
 // CPU kernels of the MX ops: the reference backend. Argument checks and output allocation live
-// here; the quantization loops are in mx_cpu_quant_kernel.cpp, compiled once per instruction set.
+// here; the quantization and dequantization loops are in mx_cpu_quant_kernel.cpp and
+// mx_cpu_dequant_kernel.cpp, compiled once per instruction set.
 //
 // mx_matmul is emulated: operands are dequantized to fp32 (exact), the weight-side operand tile
 // by tile, and multiplied with the fp32 GEMM (MKL). On CPUs without fast bf16 GEMM that is
@@ -8,7 +9,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <array>
 #include <vector>
 
 #include "../common/checks.h"
@@ -117,20 +117,6 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
   return {data, block_scale};
 }
 
-// Element byte -> fp32 for every byte value.
-using DecodeTable = std::array<float, 256>;
-template <ElemFormat F>
-DecodeTable make_decode_table() {
-  DecodeTable t{};
-  for (int b = 0; b < 256; ++b) t[b] = mx::decode_elem<F>(static_cast<uint8_t>(b));
-  return t;
-}
-const DecodeTable& decode_table(at::ScalarType elem) {
-  static const DecodeTable e4m3 = make_decode_table<ElemFormat::E4M3>();
-  static const DecodeTable e5m2 = make_decode_table<ElemFormat::E5M2>();
-  return elem == at::kFloat8_e4m3fn ? e4m3 : e5m2;
-}
-
 at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {
   constexpr const char* op = "zrw.mx_dequantize";
@@ -145,20 +131,30 @@ at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, in
   int64_t outer = 1, inner = 1;
   for (int64_t i = 0; i < d; ++i) outer *= data.size(i);
   for (int64_t i = d + 1; i < data.dim(); ++i) inner *= data.size(i);
-  const DecodeTable& lut = decode_table(data.scalar_type());
+  const ElemFormat fmt = elem_format(data.scalar_type());
   const uint8_t* dp = static_cast<const uint8_t*>(dc.const_data_ptr());
   const uint8_t* sp = static_cast<const uint8_t*>(sc.const_data_ptr());
   float* op_ = out.data_ptr<float>();
-  // Row g of the (outer * D, inner) view uses scale row (g / D) * DB + (g % D) / 32.
-  at::parallel_for(0, outer * D, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inner)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* srow = sp + ((g / D) * DB + (g % D) / kBlock) * inner;
-      const uint8_t* drow = dp + g * inner;
-      float* orow = op_ + g * inner;
-      for (int64_t i = 0; i < inner; ++i) orow[i] = lut[drow[i]] * mx::scale_from_byte(srow[i]);
-    }
-  });
+  if (out.numel() == 0) return out_dtype == at::kFloat ? out : out.to(out_dtype);
+  if (inner == 1) {
+    // Blocks along the contiguous axis: `outer` rows of D, each with its DB scales.
+    at::parallel_for(0, outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        cpu::dequantize_row_blocks(fmt, dp + g * D, sp + g * DB, D, op_ + g * D);
+      }
+    });
+  } else {
+    // Row g of the (outer * D, inner) view uses scale row (g / D) * DB + (g % D) / 32.
+    at::parallel_for(0, outer * D, std::max<int64_t>(1, 16384 / inner),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        cpu::dequantize_per_element(fmt, dp + g * inner,
+                                    sp + ((g / D) * DB + (g % D) / kBlock) * inner, inner,
+                                    op_ + g * inner);
+      }
+    });
+  }
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
@@ -172,48 +168,55 @@ struct MxOperand {
   int64_t rows, k, s_row, s_k;
   const uint8_t* scale;
   int64_t ss_row, ss_kb;
-  const DecodeTable* lut;
+  ElemFormat fmt;
 
   MxOperand(const at::Tensor& d, const at::Tensor& s)
       : data(static_cast<const uint8_t*>(d.const_data_ptr())),
         rows(d.size(0)), k(d.size(1)), s_row(d.stride(0)), s_k(d.stride(1)),
         scale(static_cast<const uint8_t*>(s.const_data_ptr())),
         ss_row(s.stride(0)), ss_kb(s.stride(1)),
-        lut(&decode_table(d.scalar_type())) {}
+        fmt(elem_format(d.scalar_type())) {}
 
   // Row-major along K unless the bytes are column-major (the .t() of a tensor blocked along
   // its other axis), which is dequantized in its own memory order and handed to the GEMM
   // transposed.
   bool col_major() const { return s_k != 1 && s_row == 1; }
 
+  // Any other strides: one element at a time.
   float value(int64_t r, int64_t kk) const {
-    return (*lut)[data[r * s_row + kk * s_k]] *
-           mx::scale_from_byte(scale[r * ss_row + (kk / kBlock) * ss_kb]);
+    const uint8_t byte = data[r * s_row + kk * s_k];
+    const float v = fmt == ElemFormat::E4M3 ? mx::decode_elem<ElemFormat::E4M3>(byte)
+                                            : mx::decode_elem<ElemFormat::E5M2>(byte);
+    return v * mx::scale_from_byte(scale[r * ss_row + (kk / kBlock) * ss_kb]);
   }
 
   // Rows [r0, r0 + nr) into `buf` as fp32 (exact): row-major (nr, K), or, when col_major(),
   // in the bytes' own order (K, nr).
   void dequantize_rows(int64_t r0, int64_t nr, float* buf) const {
-    const auto& t = *lut;
     if (col_major()) {
+      // Column kk of the rows: contiguous bytes, one scale per row (contiguous when the scale
+      // is the .t() of a contiguous tensor, as the layers pass it).
       at::parallel_for(0, k, 64, [&](int64_t kb, int64_t ke) {
         for (int64_t kk = kb; kk < ke; ++kk) {
           const uint8_t* d = data + kk * s_k + r0;
           const uint8_t* s = scale + (kk / kBlock) * ss_kb + r0 * ss_row;
           float* o = buf + kk * nr;
-          for (int64_t r = 0; r < nr; ++r) {
-            o[r] = t[d[r]] * mx::scale_from_byte(s[r * ss_row]);
+          if (ss_row == 1) {
+            cpu::dequantize_per_element(fmt, d, s, nr, o);
+          } else {
+            for (int64_t r = 0; r < nr; ++r) o[r] = value(r0 + r, kk);
           }
         }
       });
     } else {
       at::parallel_for(0, nr, 8, [&](int64_t rb, int64_t re) {
         for (int64_t r = rb; r < re; ++r) {
-          const uint8_t* d = data + (r0 + r) * s_row;
-          const uint8_t* s = scale + (r0 + r) * ss_row;
           float* o = buf + r * k;
-          for (int64_t kk = 0; kk < k; ++kk) {
-            o[kk] = t[d[kk * s_k]] * mx::scale_from_byte(s[(kk / kBlock) * ss_kb]);
+          if (s_k == 1 && ss_kb == 1) {
+            cpu::dequantize_row_blocks(fmt, data + (r0 + r) * s_row, scale + (r0 + r) * ss_row,
+                                       k, o);
+          } else {
+            for (int64_t kk = 0; kk < k; ++kk) o[kk] = value(r0 + r, kk);
           }
         }
       });

@@ -1,6 +1,7 @@
-// Picks the CPU quantization kernel once per process: the widest instruction set that both the
-// build (ZRW_HAVE_X86_ISAS) and the CPU support, unless ZRW_CPU_ISA=base|avx2|avx512 asks for a
-// specific one (tests run every variant to check they give the same bytes).
+// Picks the CPU quantization/dequantization kernels once per process: the widest instruction
+// set that both the build (ZRW_HAVE_X86_ISAS) and the CPU support, unless
+// ZRW_CPU_ISA=base|avx2|avx512 asks for a specific one (tests run every variant to check they
+// give the same bytes).
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -15,6 +16,8 @@ namespace {
 struct Choice {
   const char* name;
   QuantizeMatricesFn quantize;
+  DequantizeFn dequantize_row_blocks;
+  DequantizeFn dequantize_per_element;
 };
 
 bool cpu_has(const char* isa) {
@@ -33,10 +36,13 @@ bool cpu_has(const char* isa) {
 Choice pick() {
   const Choice choices[] = {
 #if defined(ZRW_HAVE_X86_ISAS)
-      {"avx512", &avx512::quantize_matrices},
-      {"avx2", &avx2::quantize_matrices},
+      {"avx512", &avx512::quantize_matrices, &avx512::dequantize_row_blocks,
+       &avx512::dequantize_per_element},
+      {"avx2", &avx2::quantize_matrices, &avx2::dequantize_row_blocks,
+       &avx2::dequantize_per_element},
 #endif
-      {"base", &base::quantize_matrices},
+      {"base", &base::quantize_matrices, &base::dequantize_row_blocks,
+       &base::dequantize_per_element},
   };
   if (const char* forced = std::getenv("ZRW_CPU_ISA"); forced && *forced) {
     for (const auto& c : choices) {
@@ -72,6 +78,16 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, 
                        int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                        const QuantOutputs& out) {
   chosen().quantize(src, src_dtype, nmat, N, K, fmt, mode, out);
+}
+
+void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                           int64_t n, float* out) {
+  chosen().dequantize_row_blocks(fmt, data, scales, n, out);
+}
+
+void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                            int64_t n, float* out) {
+  chosen().dequantize_per_element(fmt, data, scales, n, out);
 }
 
 }  // namespace zrw::cpu

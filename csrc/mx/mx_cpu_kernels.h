@@ -1,6 +1,7 @@
-// The CPU quantization kernel's interface. mx_cpu_quant_kernel.cpp is compiled once per
-// instruction set into namespaces zrw::cpu::{base, avx2, avx512}; quantize_matrices() below
-// picks one at first use (the best the CPU supports, or ZRW_CPU_ISA from the environment).
+// The CPU quantization and dequantization kernels' interface. mx_cpu_quant_kernel.cpp and
+// mx_cpu_dequant_kernel.cpp are compiled once per instruction set into namespaces
+// zrw::cpu::{base, avx2, avx512}; the functions at the end pick one at first use (the best the
+// CPU supports, or ZRW_CPU_ISA from the environment).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,11 +28,21 @@ using QuantizeMatricesFn = void (*)(const void* src, at::ScalarType src_dtype, i
                                     int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                                     const QuantOutputs& out);
 
+// Dequantizes n elements of one row: out[j] = decode(data[j]) * 2^(scale - 127), where the
+// scale byte is scales[j / 32] (blocks along the row) or scales[j] (one per element: a row
+// across blocks that run down the columns). fp32 product, as the reference computes it.
+using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                              int64_t n, float* out);
+
 #define ZRW_DECLARE_CPU_ISA(isa)                                                              \
   namespace isa {                                                                             \
   void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,  \
                          int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,                   \
                          const QuantOutputs& out);                                            \
+  void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,  \
+                             int64_t n, float* out);                                          \
+  void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
+                              int64_t n, float* out);                                         \
   }
 ZRW_DECLARE_CPU_ISA(base)
 ZRW_DECLARE_CPU_ISA(avx2)
@@ -43,5 +54,9 @@ const char* active_isa();
 
 void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
                        int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode, const QuantOutputs& out);
+void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                           int64_t n, float* out);
+void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                            int64_t n, float* out);
 
 }  // namespace zrw::cpu

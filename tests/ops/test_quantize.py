@@ -808,6 +808,21 @@ ISA_SCRIPT = textwrap.dedent(
                     if not (torch.equal(b(got[1]), b(exp[1]))
                             and same((got[0], fwd), (exp[0], fwd), -1)):
                         failures.append(("mx_quantize_block",) + tag)
+    # dequantization: every element byte under every scale byte, blocks along either axis
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
+        data = codes.repeat(256, 1)                                  # row r: every byte
+        # block b of row r: scale byte (r + 37 b) % 256, so every block sees every scale byte
+        scale = ((torch.arange(256)[:, None] + 37 * torch.arange(8)[None, :]) % 256).to(torch.uint8)
+        for dim, d, sc in ((-1, data, scale), (0, data.t().contiguous(), scale.t().contiguous())):
+            d, sc = d.view(elem), sc.view(torch.float8_e8m0fnu)
+            for out in (torch.float32, torch.bfloat16):
+                got = ops.mx_dequantize(d, sc, dim, out)
+                exp = ref.mx_dequantize(d, sc, dim, out)
+                int_view = torch.int32 if out == torch.float32 else torch.int16
+                if not (torch.equal(got.isnan(), exp.isnan()) and torch.equal(
+                        got.view(int_view)[~got.isnan()], exp.view(int_view)[~exp.isnan()])):
+                    failures.append(("mx_dequantize", str(elem), dim, str(out)))
     if failures:
         print(len(failures), "mismatches, first:", *failures[:10], sep="\\n")
         sys.exit(1)

@@ -135,8 +135,8 @@ def main(argv=None) -> None:
     print(f"\n  output memory: {r['allocator']}")
     if ms["dual_fresh_output_pages"] is not None:
         fresh = ms["dual_fresh_output_pages"]
-        print(f"  dual-axis with fresh output pages: {fresh:.3g} ms ({fresh / ms['copy']:.2f}x copy;"
-              f" +{fresh - ms['dual']:.3g} ms of page faults)")
+        print(f"  dual-axis with fresh output pages: {fresh:.3g} ms "
+              f"({fresh / ms['copy']:.2f}x copy; +{fresh - ms['dual']:.3g} ms of page faults)")
     print(f"  dual-axis on 1 thread: {ms['dual_1_thread']:.3g} ms = "
           f"{ms['dual_1_thread'] / ms['copy_1_thread']:.2f}x a 1-thread copy "
           f"(speed-up from 1 to {r['threads']} threads: {r['thread_speedup_dual']:.2f}x)")
