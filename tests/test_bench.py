@@ -1,0 +1,87 @@
+"""The benchmarks run end to end at tiny sizes and print the JSON they document.
+
+No timing is asserted (times on a shared 2-core machine say nothing in a test); what is checked
+is that every figure is there, finite and positive, that exact figures (bytes, ratios built
+from them) are what they must be, and that each benchmark runs in its own process as the README
+says (`python -m zrw.bench NAME --json`).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_bench(*args, timeout=300):
+    out = subprocess.run([sys.executable, "-m", "zrw.bench", *args, "--json"], capture_output=True,
+                         text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_quant_json():
+    r = run_bench("quant", "--n", "256", "--k", "320", "--mm", "64", "--repeat", "2")
+    assert r["shape"] == [256, 320]
+    assert set(r["ms"]) >= {"copy", "dual", "block", "single_dim_-1", "single_dim_0",
+                            "dual_1_thread", "copy_1_thread", "matmul_bf16", "mx_matmul"}
+    for name, v in r["ms"].items():
+        assert v is None or positive(v), name
+    for name, v in r["ratio_to_copy"].items():
+        assert positive(v) and v == pytest.approx(r["ms"][name] / r["ms"]["copy"]), name
+    assert r["cpu_isa"] in ("avx512", "avx2", "base")
+    # glibc here: the warm-heap setting applies and the fresh-pages timing exists
+    assert r["allocator"] == "glibc, freed memory kept in the heap"
+    assert positive(r["ms"]["dual_fresh_output_pages"])
+
+
+def test_bench_unknown_name_is_an_error():
+    out = subprocess.run([sys.executable, "-m", "zrw.bench", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "unknown benchmark 'nope'" in out.stderr
+
+
+def test_bench_cache_json():
+    r = run_bench("cache", "--sizes", "64x96", "--repeat", "1", "--dim", "64", "--layers", "2",
+                  "--tokens", "8", "--micro", "1", "--steps", "1")
+    for recipe in ("mxfp8", "mxfp8-32x32"):
+        op = r["op"][recipe]["64x96"]
+        assert all(positive(op[k]) for k in ("bare_ms", "miss_ms", "miss_no_release_ms", "hit_us"))
+        for fill in ("empty", "dequant"):
+            step = r["step"][recipe][fill]
+            # exact: the MLP's 2 bf16 weights of 64 x 64 are released, nothing else
+            assert step["released_bytes"] == 2 * 64 * 64 * 2
+            assert positive(step["step_ms"]) and positive(step["restore_ms"])
+
+
+def test_bench_linear_json():
+    r = run_bench("linear", "--tokens", "16", "--shapes", "64x96", "--repeat", "1")
+    (shape,) = r["shapes"]
+    assert (shape["out_features"], shape["in_features"]) == (64, 96)
+    assert positive(shape["ms"]["bf16_linear_step"])
+    for recipe in ("mxfp8", "mxfp8-32x32"):
+        rec = shape["recipes"][recipe]
+        for kind in ("step_hit_ms", "step_miss_ms"):
+            assert positive(rec[kind]["total"]) and positive(rec[kind]["matmul_emu"])
+
+
+@pytest.mark.slow
+def test_bench_fsdp_json_counts_exact_bytes():
+    # 2 ranks (gloo), 2 layers of 64 x 64, one step of one micro-batch: each weight is gathered
+    # for forward and again for backward. BF16: 2 bytes per element; mxfp8: one FP8 plane per
+    # direction plus its scales (one per 32 elements); 32x32: one FP8 copy plus a scale per tile.
+    dim, layers = 64, 2
+    r = run_bench("fsdp", "--dim", str(dim), "--layers", str(layers), "--tokens", "32",
+                  "--micro-batches", "1", "--steps", "1")
+    gathers = 2 * layers
+    expected = {"bf16": gathers * dim * dim * 2,
+                "mxfp8": gathers * (dim * dim + dim * dim // 32),
+                "mxfp8-32x32": gathers * (dim * dim + (dim // 32) ** 2)}
+    for recipe, nbytes in expected.items():
+        assert r["recipes"][recipe]["gather_bytes_per_step"] == nbytes, recipe
+        assert r["ratio_to_bf16"][recipe]["gather_bytes"] == nbytes / expected["bf16"]
