@@ -31,7 +31,7 @@ import torch
 
 import zrw
 from zrw import ops
-from zrw.bench._timing import best_of, print_table
+from zrw.bench._timing import best_of, best_of_interleaved, print_table
 from zrw.nn import MXLinear
 from zrw.nn.linear import cache_recipe
 
@@ -140,8 +140,10 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
 
         t_miss = best_of(miss, repeat)
         ops.cache_invalidate(w)
-        t_rel = best_of(release_cycle, repeat)
-        t_keep = best_of(keep_cycle, repeat)
+        # Interleaved: the release's cost is the difference of the two, which drift would swamp.
+        # It can still come out slightly negative for small weights, where it is within noise.
+        cycles = best_of_interleaved({"release": release_cycle, "keep": keep_cycle}, repeat)
+        t_rel, t_keep = cycles["release"], cycles["keep"]
         ops.cache_invalidate(w)
         del w
 
