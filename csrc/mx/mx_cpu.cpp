@@ -234,8 +234,8 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   checks::check_mx_matmul_args(op, a, a_scale, b, b_scale, out_dtype);
 
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
-  auto c = at::empty({M, N}, a.options().dtype(at::kFloat));
-  if (M == 0 || N == 0 || K == 0) return c.zero_().to(out_dtype);
+  auto c = at::empty({M, N}, a.options().dtype(out_dtype));
+  if (M == 0 || N == 0 || K == 0) return c.zero_();
   const MxOperand A(a, a_scale), B(b, b_scale);
   const auto f32 = a.options().dtype(at::kFloat);
 
@@ -247,6 +247,9 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
 
   const int64_t tile = std::min(N, std::max<int64_t>(64, ((int64_t{1} << 21) / K) / 64 * 64));
   at::Tensor b32 = at::empty({tile * K}, f32);
+  // For a bf16/fp16 result, each tile's fp32 product is cast into it: no (M, N) fp32 copy.
+  const bool fp32_out = out_dtype == at::kFloat;
+  at::Tensor c32 = fp32_out ? at::Tensor() : at::empty({M * tile}, f32);
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t nb = std::min(tile, N - n0);
     B.dequantize_rows(n0, nb, b32.data_ptr<float>());
@@ -254,9 +257,15 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
     const at::Tensor b_mat = B.col_major() ? b32.narrow(0, 0, nb * K).view({K, nb})
                                            : b32.narrow(0, 0, nb * K).view({nb, K}).t();
     at::Tensor c_tile = c.narrow(1, n0, nb);
-    at::mm_out(c_tile, a_mat, b_mat);
+    if (fp32_out) {
+      at::mm_out(c_tile, a_mat, b_mat);
+    } else {
+      at::Tensor p = c32.narrow(0, 0, M * nb).view({M, nb});
+      at::mm_out(p, a_mat, b_mat);
+      c_tile.copy_(p);
+    }
   }
-  return out_dtype == at::kFloat ? c : c.to(out_dtype);
+  return c;
 }
 
 }  // namespace

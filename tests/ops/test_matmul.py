@@ -233,3 +233,43 @@ def test_matmul_does_not_modify_operands():
     ops.mx_matmul(a, a_scale, b, b_scale, F32)
     for t, saved, stride in zip((a, a_scale, b, b_scale), before, strides):
         assert torch.equal(t.view(torch.uint8), saved) and t.stride() == stride
+
+
+MEMORY_SCRIPT = """
+import sys, torch, zrw
+zrw.memory.install()            # before any tensor exists, so that every byte is counted
+from zrw import ops
+M, K, N = 1024, 4096, 4096
+for a_t, b_t in ((False, False), (True, True)):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    w = torch.randn(N, K, dtype=torch.bfloat16)
+    if a_t:
+        qa, sa = (t.t() for t in ops.mx_quantize(x.t().contiguous(), 0))
+    else:
+        qa, sa = ops.mx_quantize(x, -1)
+    if b_t:
+        qb, sb = (t.t() for t in ops.mx_quantize(w.t().contiguous(), 0))
+    else:
+        qb, sb = ops.mx_quantize(w, -1)
+    del x, w
+    with zrw.memory.window() as m:
+        out = ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16)
+    print(m["peak"] - m["start"])
+"""
+
+
+def test_matmul_memory_is_one_fp32_activation_plus_tiles():
+    # DESIGN §4: no fp32 copy of the weight-side operand and no fp32 (M, N) product; what a call
+    # holds at its peak is the fp32 activation, one weight tile of 512 rows (~8 MiB of fp32 for
+    # K = 4096), its fp32 product tile and the bf16 result. A full fp32 b would add 64 MiB.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    M, K, N, tile = 1024, 4096, 4096, 512
+    budget = M * K * 4 + tile * K * 4 + M * tile * 4 + M * N * 2
+    for peak in map(int, out.stdout.split()):
+        assert peak <= budget + (1 << 20), (peak, budget)
+        assert peak >= M * N * 2  # the result itself is counted: the allocator sees the call
