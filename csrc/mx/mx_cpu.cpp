@@ -239,30 +239,43 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   const MxOperand A(a, a_scale), B(b, b_scale);
   const auto f32 = a.options().dtype(at::kFloat);
 
-  // A is dequantized once (twice the bytes of a bf16 activation); B tile by tile (~8 MiB of
-  // fp32), so no full high-precision copy of the weight ever exists.
-  at::Tensor a32 = A.col_major() ? at::empty({K, M}, f32) : at::empty({M, K}, f32);
-  A.dequantize_rows(0, M, a32.data_ptr<float>());
-  const at::Tensor a_mat = A.col_major() ? a32.t() : a32;
-
-  const int64_t tile = std::min(N, std::max<int64_t>(64, ((int64_t{1} << 21) / K) / 64 * 64));
-  at::Tensor b32 = at::empty({tile * K}, f32);
+  // Both operands are dequantized in row tiles, A's of at most 2^22 fp32 elements (16 MiB), B's
+  // of 2^21 (8 MiB), and each A tile is multiplied by every B tile: no operand ever exists whole
+  // in fp32. B is dequantized again for every A tile (unless it fits one tile), which costs little
+  // next to the GEMM (dequantization runs at a few bytes per ns, the GEMM does K flops per byte).
+  auto rows_per_tile = [&](int64_t rows, int64_t elems) {
+    return std::min(rows, std::max<int64_t>(64, elems / K / 64 * 64));
+  };
+  const int64_t a_tile = rows_per_tile(M, int64_t{1} << 22);
+  const int64_t b_tile = rows_per_tile(N, int64_t{1} << 21);
+  at::Tensor a32 = at::empty({a_tile * K}, f32);
+  at::Tensor b32 = at::empty({b_tile * K}, f32);
   // For a bf16/fp16 result, each tile's fp32 product is cast into it: no (M, N) fp32 copy.
   const bool fp32_out = out_dtype == at::kFloat;
-  at::Tensor c32 = fp32_out ? at::Tensor() : at::empty({M * tile}, f32);
-  for (int64_t n0 = 0; n0 < N; n0 += tile) {
-    const int64_t nb = std::min(tile, N - n0);
-    B.dequantize_rows(n0, nb, b32.data_ptr<float>());
-    // (K, nb) operand: the transpose of a row-major (nb, K) tile, or a column-major tile as is.
-    const at::Tensor b_mat = B.col_major() ? b32.narrow(0, 0, nb * K).view({K, nb})
-                                           : b32.narrow(0, 0, nb * K).view({nb, K}).t();
-    at::Tensor c_tile = c.narrow(1, n0, nb);
-    if (fp32_out) {
-      at::mm_out(c_tile, a_mat, b_mat);
-    } else {
-      at::Tensor p = c32.narrow(0, 0, M * nb).view({M, nb});
-      at::mm_out(p, a_mat, b_mat);
-      c_tile.copy_(p);
+  at::Tensor c32 = fp32_out ? at::Tensor() : at::empty({a_tile * b_tile}, f32);
+  // (rows, K) tile as a GEMM operand: row-major, or a column-major tile (K, rows) transposed.
+  auto tile_rows_by_k = [&](const MxOperand& op, at::Tensor& buf, int64_t rows) {
+    const at::Tensor t = buf.narrow(0, 0, rows * K);
+    return op.col_major() ? t.view({K, rows}).t() : t.view({rows, K});
+  };
+  const bool b_once = b_tile == N;
+  if (b_once) B.dequantize_rows(0, N, b32.data_ptr<float>());
+  for (int64_t m0 = 0; m0 < M; m0 += a_tile) {
+    const int64_t mb = std::min(a_tile, M - m0);
+    A.dequantize_rows(m0, mb, a32.data_ptr<float>());
+    const at::Tensor a_mat = tile_rows_by_k(A, a32, mb);
+    for (int64_t n0 = 0; n0 < N; n0 += b_tile) {
+      const int64_t nb = std::min(b_tile, N - n0);
+      if (!b_once) B.dequantize_rows(n0, nb, b32.data_ptr<float>());
+      const at::Tensor b_mat = tile_rows_by_k(B, b32, nb).t();  // (K, nb)
+      at::Tensor c_tile = c.narrow(0, m0, mb).narrow(1, n0, nb);
+      if (fp32_out) {
+        at::mm_out(c_tile, a_mat, b_mat);
+      } else {
+        at::Tensor p = c32.narrow(0, 0, mb * nb).view({mb, nb});
+        at::mm_out(p, a_mat, b_mat);
+        c_tile.copy_(p);
+      }
     }
   }
   return c;
