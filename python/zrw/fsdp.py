@@ -234,16 +234,37 @@ class PreQuantWeight(torch.Tensor):
             for d in local_shape:
                 n *= d
             per_rank = flat.view(world, -1)
-            if per_rank.shape[1] != n:  # drop the padding each rank's scale travelled with
-                per_rank = per_rank[:, :n].contiguous()
-                inner = [per_rank]
+            # When K % 32 != 0 the two scale planes differ in size and the smaller one travels
+            # padded; it is compacted into a buffer of the padded size that FSDP2 manages like
+            # the gathered planes: returned as an inner tensor at the first gather (whichever
+            # direction that is), its storage is freed at reshard and re-allocated before every
+            # later gather, so no scale copy outlives a reshard.
+            if out is None:
+                buf = None
+                if outer_size[-1] % 32 != 0:
+                    buf = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+                    inner = [buf]
+            else:
+                buf = out._zrw_state.get("scale_buf")
+            if per_rank.shape[1] != n:
+                compact = buf[: world * n].view(world, n)
+                compact.copy_(per_rank[:, :n])
+                per_rank = compact
             scale = per_rank.view(e8).reshape(world * local_shape[0], *local_shape[1:])
             planes = {"fwd_data": None, "fwd_scale": None, "bwd_data": None, "bwd_scale": None}
             planes[f"{phase}_data"] = data.view(elem)
             planes[f"{phase}_scale"] = scale
         if out is not None:
             prev = out._zrw_state["planes"]
-            if phase == "block" and prev.get("fwd_scale") is not None:
+            if phase == "fallback":
+                # The planes quantized after a BF16 gather are the inner tensors FSDP2 got the
+                # first time: it re-allocated them and frees them at reshard. Refill in place,
+                # or fresh copies would outlive every reshard.
+                for key, plane in planes.items():
+                    if plane is not None and prev.get(key) is not None:
+                        prev[key].copy_(plane)
+                        planes[key] = prev[key]
+            elif phase == "block" and prev.get("fwd_scale") is not None:
                 # FSDP2 re-allocated the storage of the inner tensors we returned the first time
                 # (the expanded scales) and frees it again at reshard: refill them in place.
                 prev["fwd_scale"].copy_(planes["fwd_scale"])
@@ -254,6 +275,8 @@ class PreQuantWeight(torch.Tensor):
         g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._zrw_recipe,
                              self._zrw_name)
         g._set_planes(planes, phase)
+        if phase in ("fwd", "bwd"):
+            g._zrw_state["scale_buf"] = inner[0] if inner else None
         return g, tuple(inner)
 
 

@@ -151,10 +151,16 @@ def run_fsdp(args):
     # The planes each zrw layer receives from the first gather, to compare byte for byte with
     # the single-process quantization of the full weight.
     first_planes = {}
+    # Every gathered weight's plane state (shared by its aliases), to check after the last
+    # reshard that no plane still holds memory.
+    states = {}
 
     def capture(mod, inputs, name):
         w = mod.weight
-        if name in first_planes or not isinstance(w, zrw.fsdp.MXGatheredWeight):
+        if not isinstance(w, zrw.fsdp.MXGatheredWeight):
+            return
+        states[name] = w._zrw_state
+        if name in first_planes:
             return
         planes = w._zrw_state["planes"]
         first_planes[name] = {k: (None if v is None else v.view(torch.uint8).clone())
@@ -180,10 +186,13 @@ def run_fsdp(args):
             opt.step()
             opt.zero_grad()
     quantizations = zrw.fsdp.shard_quantizations() - q0
+    resident = {name: sum(v.untyped_storage().nbytes() for v in st["planes"].values()
+                          if v is not None)
+                for name, st in states.items()}
     full = {}
     for n, p in model.named_parameters():
         full[n] = p.full_tensor().detach().float()
-    return losses, full, per_step_bytes, quantizations, first_planes
+    return losses, full, per_step_bytes, quantizations, first_planes, resident
 
 
 def main():
@@ -217,11 +226,12 @@ def main():
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses, weights, per_step, quants, planes = run_fsdp(args)
+        losses, weights, per_step, quants, planes, resident = run_fsdp(args)
     msgs = [str(w.message) for w in caught if "zrw.fsdp" in str(w.message)]
     if args.rank == 0:
         torch.save({"losses": losses, "weights": weights, "per_step_bytes": per_step,
-                    "quantizations": quants, "warnings": msgs, "planes": planes}, args.out)
+                    "quantizations": quants, "warnings": msgs, "planes": planes,
+                    "resident_plane_bytes": resident}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

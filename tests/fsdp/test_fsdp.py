@@ -51,6 +51,8 @@ def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe
     b = launch(tmp_path, *args, "--mode", "bf16", "--opt", "sgd", "--lr", "0.5")
     s = single(tmp_path, *args, "--opt", "sgd", "--lr", "0.5")
 
+    # After the last reshard no gathered plane holds memory (FSDP2 frees what it gathered).
+    assert z["resident_plane_bytes"] and not any(z["resident_plane_bytes"].values())
     # The FP8 gather changes nothing but bytes: bitwise the run that gathers BF16 and quantizes.
     assert z["losses"] == b["losses"]
     for n in z["weights"]:
@@ -108,6 +110,11 @@ def test_uneven_shards_warn_and_stay_correct(tmp_path):
     z = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw", "--hidden", "48")
     b = launch(tmp_path, "--recipe", "mxfp8", "--mode", "bf16", "--hidden", "48")
     assert any("fc1.weight" in w and "whole 32-row blocks" in w for w in z["warnings"])
+    # fc2 has K = 48: its two scale planes differ in size, the smaller one travels padded and is
+    # compacted into a buffer FSDP2 frees at reshard like the planes; after the last reshard
+    # no gathered plane of any layer holds memory.
+    assert set(z["resident_plane_bytes"]) == {"fc1", "fc2"}
+    assert z["resident_plane_bytes"] == {"fc1": 0, "fc2": 0}
     assert z["losses"] == b["losses"]
     for n in z["weights"]:
         assert torch.equal(z["weights"][n], b["weights"][n]), n
