@@ -500,6 +500,27 @@ def test_compiled_qwen3_matches_eager():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_weight_names_survive_deepcopy_and_pickling(kind):
+    # The layers keep their names on the Parameters (for torch.compile); copy.deepcopy makes new
+    # Parameters without attributes, so the layers stamp them again.
+    import copy
+
+    model = make_model(kind)
+    zrw.convert(model, "mxfp8")
+    names = {n: ops.weight_name(p) for n, p in model.named_parameters() if ops.weight_name(p)}
+    expected = {n for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    assert {n.rsplit(".", 1)[0] for n in names} >= expected
+    if kind == "moe":
+        assert any(n.endswith("gate_up_proj") for n in names)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        got = {n: ops.weight_name(p) for n, p in copied.named_parameters() if ops.weight_name(p)}
+        assert got == names
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_convert_summary_matches_released_bytes(kind):
     model = make_model(kind)
     params_before = {n: p for n, p in model.named_parameters()}

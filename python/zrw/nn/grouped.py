@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..config import QuantRecipe, get_recipe
-from .linear import NamedWeight, _weight_planes
+from .linear import NamedWeight, _weight_planes, restamp_names
 
 
 class _MXGroupedFn(torch.autograd.Function):
@@ -143,13 +143,19 @@ class MXFusedExperts(nn.Module):
         self.num_experts = self.gate_up_proj.shape[0]
         self.recipe = get_recipe(recipe)
         self.release, self.release_frozen = release, release_frozen
-        # Each expert stack carries its name (see MXLinear: read outside compiled regions).
-        base = name or "experts"
-        ops.set_weight_name(self.gate_up_proj, f"{base}.gate_up_proj")
-        ops.set_weight_name(self.down_proj, f"{base}.down_proj")
+        # Each expert stack carries its name (see NamedWeight: read outside compiled regions).
         self.zrw_name = name
+        restamp_names(self, self._stack_names())
         self.training = source.training
         self.source_type = type(source).__name__
+
+    def _stack_names(self) -> dict:
+        base = self.zrw_name or "experts"
+        return {"gate_up_proj": f"{base}.gate_up_proj", "down_proj": f"{base}.down_proj"}
+
+    def __setstate__(self, state) -> None:  # copies and unpickling: see NamedWeight
+        super().__setstate__(state)
+        restamp_names(self, self._stack_names())
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor,
                 top_k_weights: Tensor) -> Tensor:

@@ -109,15 +109,29 @@ class NamedWeight:
     """`zrw_name`, the name zrw's messages give a layer's `weight`, kept on the Parameter itself
     (zrw.ops.set_weight_name), where the cache reads it outside any compiled region: a per-layer
     string read in forward would make torch.compile guard on it and recompile the forward for
-    every layer."""
+    every layer. The module keeps a copy, and stamps it on its weight again when it is copied or
+    unpickled (copy.deepcopy makes new Parameters without their attributes)."""
 
     @property
     def zrw_name(self) -> str:
-        return ops.weight_name(self.weight)
+        return ops.weight_name(self.weight) or self.__dict__.get("_zrw_layer_name", "")
 
     @zrw_name.setter
     def zrw_name(self, name: str) -> None:
+        self.__dict__["_zrw_layer_name"] = name
         ops.set_weight_name(self.weight, name)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        restamp_names(self, {"weight": self.__dict__.get("_zrw_layer_name")})
+
+
+def restamp_names(module: nn.Module, names: dict) -> None:
+    """Set each named parameter's zrw name (zrw.ops.set_weight_name), where both exist."""
+    for pname, name in names.items():
+        param = module._parameters.get(pname)
+        if param is not None and name is not None:
+            ops.set_weight_name(param, name)
 
 
 class MXLinear(NamedWeight, nn.Linear):
