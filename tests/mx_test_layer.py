@@ -1,4 +1,5 @@
-"""A minimal MX linear for the cache and optimizer tests, built only on zrw.ops.
+"""What the cache and optimizer tests share: a minimal MX linear built only on zrw.ops, and the
+fixture that gives every test an empty cache.
 
 It is deliberately not zrw.nn.MXLinear: the cache tests (issue 3) check the native cache and the
 optimizer boundary on their own, with nn.Linear weights used through quant_and_release.
@@ -6,9 +7,29 @@ y = Q_K(x) @ W_fwd^T and dgrad Q_N(dy) @ W_bwd through mx_matmul; wgrad dy^T x i
 layer calls quant_and_release OUTSIDE the Function: inside Function.forward grad mode is off and
 the release guard would skip the release as "no_grad".
 """
+import gc
+
+import pytest
 import torch
 
 from zrw import ops
+
+
+@pytest.fixture(autouse=True)
+def clean_cache():
+    """Every test starts and ends with an empty cache (and zeroed hit/miss/skip counters).
+
+    The cyclic GC is paused during a test: a collection of an earlier test's garbage in the
+    middle of a measurement would shift the allocator's byte counts (tests that need a
+    collection call gc.collect() themselves, before they measure). Autouse in every test module
+    that imports it."""
+    ops.cache_clear()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        ops.cache_clear()
 
 
 class MXLinearFn(torch.autograd.Function):

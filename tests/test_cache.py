@@ -21,29 +21,13 @@ import zrw
 from zrw import ops
 from zrw.optim import MasterWeights
 
-from mx_test_layer import MXLinearFn
+from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
 
 zrw.memory.install()
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 RELEASE_MSG = r"is released \(zero-redundancy weights"
-
-
-@pytest.fixture(autouse=True)
-def clean_cache():
-    """Every test starts and ends with an empty cache (and zeroed hit/miss/skip counters).
-
-    The cyclic GC is paused during a test: a collection of an earlier test's garbage in the
-    middle of a measurement would shift the allocator's byte counts (tests that need a
-    collection call gc.collect() themselves, before they measure)."""
-    ops.cache_clear()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        ops.cache_clear()
 
 
 def param(*shape, seed=0, requires_grad=True):

@@ -13,25 +13,12 @@ import torch
 import zrw
 from zrw import ops
 
-from mx_test_layer import MXLinearFn
+from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
 from zrw.optim import MasterWeights, attach, detach
 
 zrw.memory.install()
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def clean_cache():
-    """Empty cache around every test; the cyclic GC is paused so that a collection of earlier
-    garbage cannot shift a memory measurement."""
-    ops.cache_clear()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        ops.cache_clear()
 
 
 def bits(t):
