@@ -199,7 +199,8 @@ class PreQuantWeight(torch.Tensor):
             flat = scale.reshape(-1).view(torch.uint8)
             if flat.numel() < width:
                 flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
-            meta = ("bwd" if bwd else "fwd", tuple(outer_size), tuple(scale.shape), world)
+            meta = ("bwd" if bwd else "fwd", tuple(outer_size), tuple(scale.shape), world,
+                    planes[1].numel() != planes[3].numel())
             return (data.view(torch.uint8), flat), meta
         return tuple(t.view(torch.uint8) for t in inputs), (phase, tuple(outer_size))
 
@@ -234,14 +235,15 @@ class PreQuantWeight(torch.Tensor):
             for d in local_shape:
                 n *= d
             per_rank = flat.view(world, -1)
-            # When K % 32 != 0 the two scale planes differ in size and the smaller one travels
-            # padded; it is compacted into a buffer of the padded size that FSDP2 manages like
-            # the gathered planes: returned as an inner tensor at the first gather (whichever
-            # direction that is), its storage is freed at reshard and re-allocated before every
-            # later gather, so no scale copy outlives a reshard.
+            # When the two scale planes differ in size (K % 32 != 0, or N % 32 != 0 in an expert
+            # stack; metadata[4]) the smaller one travels padded; it is compacted into a buffer
+            # of the padded size that FSDP2 manages like the gathered planes: returned as an
+            # inner tensor at the first gather (whichever direction that is), its storage is
+            # freed at reshard and re-allocated before every later gather, so no scale copy
+            # outlives a reshard.
             if out is None:
                 buf = None
-                if outer_size[-1] % 32 != 0:
+                if metadata[4]:
                     buf = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
                     inner = [buf]
             else:

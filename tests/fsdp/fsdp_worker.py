@@ -156,6 +156,12 @@ def run_fsdp(args):
     states = {}
 
     def capture(mod, inputs, name):
+        if isinstance(mod, zrw.nn.MXFusedExperts):  # the expert stacks: their states only
+            for pname in ("gate_up_proj", "down_proj"):
+                w = getattr(mod, pname)
+                if isinstance(w, zrw.fsdp.MXGatheredWeight):
+                    states[f"{name}.{pname}"] = w._zrw_state
+            return
         w = mod.weight
         if not isinstance(w, zrw.fsdp.MXGatheredWeight):
             return
@@ -167,7 +173,7 @@ def run_fsdp(args):
                               for k, v in planes.items()}
 
     for name, mod in model.named_modules():
-        if isinstance(mod, zrw.nn.MXLinear):
+        if isinstance(mod, (zrw.nn.MXLinear, zrw.nn.MXFusedExperts)):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
     q0 = zrw.fsdp.shard_quantizations()
     per_step_bytes = []

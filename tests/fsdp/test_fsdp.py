@@ -105,16 +105,19 @@ def test_activation_checkpointing_and_no_reshard_need_both_planes(tmp_path):
     assert any("both_planes=True" in log for log in logs), logs[0][-3000:]
 
 
-def test_uneven_shards_warn_and_stay_correct(tmp_path):
+@pytest.mark.parametrize("moe", [False, True])
+def test_uneven_shards_warn_and_stay_correct(tmp_path, moe):
     # fc1 has 48 rows: 24 per rank, not whole 32-row blocks.
-    z = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw", "--hidden", "48")
-    b = launch(tmp_path, "--recipe", "mxfp8", "--mode", "bf16", "--hidden", "48")
+    args = ["--recipe", "mxfp8", "--hidden", "48"] + (["--moe"] if moe else [])
+    z = launch(tmp_path, *args, "--mode", "zrw")
+    b = launch(tmp_path, *args, "--mode", "bf16")
     assert any("fc1.weight" in w and "whole 32-row blocks" in w for w in z["warnings"])
-    # fc2 has K = 48: its two scale planes differ in size, the smaller one travels padded and is
+    # fc2 has K = 48 and, with --moe, the expert stacks have N = 48 (gate_up_proj) and K = 24
+    # (down_proj): their two scale planes differ in size, the smaller one travels padded and is
     # compacted into a buffer FSDP2 frees at reshard like the planes; after the last reshard
     # no gathered plane of any layer holds memory.
-    assert set(z["resident_plane_bytes"]) == {"fc1", "fc2"}
-    assert z["resident_plane_bytes"] == {"fc1": 0, "fc2": 0}
+    names = {"fc1", "fc2"} | ({"experts.gate_up_proj", "experts.down_proj"} if moe else set())
+    assert z["resident_plane_bytes"] == dict.fromkeys(names, 0)
     assert z["losses"] == b["losses"]
     for n in z["weights"]:
         assert torch.equal(z["weights"][n], b["weights"][n]), n
