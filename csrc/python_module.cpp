@@ -3,6 +3,7 @@
 // module itself only reports build facts, so the library needs no libtorch_python.
 #include <Python.h>
 
+#include "common/names.h"
 #include "memory/counting_allocator.h"
 #include "mx/mx_cpu_kernels.h"
 
@@ -11,6 +12,25 @@ namespace {
 PyObject* cpu_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(zrw::cpu::active_isa());
 }
+
+template <size_t N>
+PyObject* name_tuple(const char* const (&names)[N]) {
+  PyObject* t = PyTuple_New(N);
+  if (t == nullptr) return nullptr;
+  for (size_t i = 0; i < N; ++i) {
+    PyObject* s = PyUnicode_FromString(names[i]);
+    if (s == nullptr) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, i, s);
+  }
+  return t;
+}
+
+PyObject* scale_modes(PyObject*, PyObject*) { return name_tuple(zrw::names::kScaleModes); }
+PyObject* fill_names(PyObject*, PyObject*) { return name_tuple(zrw::names::kFills); }
+PyObject* cache_recipes(PyObject*, PyObject*) { return name_tuple(zrw::names::kCacheRecipes); }
 
 PyObject* memory_install(PyObject*, PyObject*) {
   zrw::memory::install();
@@ -25,6 +45,20 @@ PyObject* memory_current(PyObject*, PyObject*) {
 PyObject* memory_peak(PyObject*, PyObject*) {
   return PyLong_FromLongLong(zrw::memory::peak_bytes());
 }
+PyObject* memory_fail_next(PyObject*, PyObject* args) {
+  long long min_bytes = 0, count = 0;
+  if (!PyArg_ParseTuple(args, "LL", &min_bytes, &count)) return nullptr;
+  if (!zrw::memory::installed()) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "zrw.memory: install() the counting allocator before injecting failures");
+    return nullptr;
+  }
+  zrw::memory::fail_next(min_bytes, count);
+  Py_RETURN_NONE;
+}
+PyObject* memory_pending_failures(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(zrw::memory::pending_failures());
+}
 PyObject* memory_reset_peak(PyObject*, PyObject*) {
   zrw::memory::reset_peak();
   Py_RETURN_NONE;
@@ -33,11 +67,18 @@ PyObject* memory_reset_peak(PyObject*, PyObject*) {
 PyMethodDef zrw_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "Instruction set of the CPU quantization kernel in use: 'avx512', 'avx2' or 'base'."},
+    {"scale_modes", scale_modes, METH_NOARGS, "The MX scale rules the ops accept."},
+    {"fill_names", fill_names, METH_NOARGS, "The fills a restore of a released weight accepts."},
+    {"cache_recipes", cache_recipes, METH_NOARGS, "The native cache's weight layouts."},
     {"memory_install", memory_install, METH_NOARGS,
      "Install the counting CPU allocator (once; before the tensors to be measured exist)."},
     {"memory_installed", memory_installed, METH_NOARGS, "Whether the counting allocator is in use."},
     {"memory_current", memory_current, METH_NOARGS, "Live CPU bytes allocated since install."},
     {"memory_peak", memory_peak, METH_NOARGS, "Peak live CPU bytes since install or reset."},
+    {"memory_fail_next", memory_fail_next, METH_VARARGS,
+     "Fault injection: the next `count` allocations of at least `min_bytes` fail (OOM)."},
+    {"memory_pending_failures", memory_pending_failures, METH_NOARGS,
+     "Injected failures not yet consumed."},
     {"memory_reset_peak", memory_reset_peak, METH_NOARGS, "Set the peak to the current bytes."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -17,6 +17,8 @@ TORCH_LIBRARY(zrw, m) {
   m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
         " -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  m.def("mx_expand_block_scale(Tensor block_scale, int n, int k, int dim) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
 
   // The native weight cache (DESIGN.md §5). Stateful and eager-only: they run from layers' and
   // optimizer hooks outside compiled regions. quant_and_release returns, for "mxfp8",
@@ -24,7 +26,11 @@ TORCH_LIBRARY(zrw, m) {
   // [data, scale_fwd, data, scale_bwd, block_scale] (one data tensor for both directions).
   m.def("quant_and_release(Tensor w, str recipe, bool release, bool release_frozen,"
         " ScalarType elem_dtype, str scale_mode, str name) -> Tensor[]");
-  m.def("restore(Tensor w, str fill) -> bool");
+  // Restores write into the storage a weight was released with, never into another one;
+  // fill "master" takes its values from `source` (the FP32 master).
+  m.def("restore(Tensor w, str fill, Tensor? source) -> ()");
+  m.def("restore_weights(Tensor[] weights, str fill, Tensor?[] sources) -> int");
+  m.def("assign_weights(Tensor[] weights, Tensor[] sources) -> int");
   m.def("restore_all(str fill) -> int");
   m.def("cache_invalidate(Tensor w, str fill) -> bool");
   m.def("cache_clear(str fill) -> ()");
@@ -32,4 +38,5 @@ TORCH_LIBRARY(zrw, m) {
   m.def("cache_stats() -> (str[], int[])");
   m.def("cache_entries() -> (str[], str[], int[], int[], int[])");
   m.def("cache_state(Tensor w) -> int");
+  m.def("cache_states(Tensor[] weights) -> int[]");
 }

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zrw import ops
+from zrw import cache
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +24,13 @@ def clean_cache():
     middle of a measurement would shift the allocator's byte counts (tests that need a
     collection call gc.collect() themselves, before they measure). Autouse in every test module
     that imports it."""
-    ops.cache_clear()
+    cache.cache_clear()
     gc.disable()
     try:
         yield
     finally:
         gc.enable()
-        ops.cache_clear()
+        cache.cache_clear()
 
 
 class MXLinearFn(torch.autograd.Function):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zrw
-from zrw import ops
+from zrw import cache, ops
 from zrw.optim import MasterWeights
 
 from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
@@ -81,14 +81,14 @@ def check_fresh(q, ref, recipe):
 def assert_raises_released(w, name):
     with pytest.raises(RuntimeError, match=RELEASE_MSG) as ei:
         w.sum()
-    assert f"'{name}'" in str(ei.value) and "zrw.ops.restore" in str(ei.value)
+    assert f"'{name}'" in str(ei.value) and "zrw.cache.restore" in str(ei.value)
 
 
 def mx_linear(x, w, recipe="mxfp8", name=""):
-    return MXLinearFn.apply(x, w, ops.quant_and_release(w, recipe, name=name))
+    return MXLinearFn.apply(x, w, cache.quant_and_release(w, recipe, name=name))
 
 
-RECIPES = list(ops.RECIPES)
+RECIPES = list(cache.RECIPES)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,18 +101,18 @@ def test_release_frees_exact_bytes_and_restore_returns_them(recipe, fill, shape)
     w = param(*shape)
     nbytes = w.numel() * w.element_size()
     before = zrw.memory.current()
-    q = ops.quant_and_release(w, recipe, name="w")
+    q = cache.quant_and_release(w, recipe, name="w")
     after = zrw.memory.current()
     fp8 = q_nbytes(q)
     # The BF16 storage went (-nbytes), the FP8 copy came (+fp8): nothing else was kept.
     assert after - before == fp8 - nbytes
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["released"] == 1 and st["released_bytes"] == nbytes
     assert st["entries"] == 1 and st["misses"] == 1
     # fp8_bytes is the bytes the FP8 copy holds (its storages), as the allocator sees them.
     assert st["fp8_bytes"] == fp8, "cache_stats()['fp8_bytes'] != bytes held by the FP8 tensors"
-    assert ops.is_released(w) and ops.is_cached(w)
-    assert ops.cache_entries() == [dict(name="w", status="released", hits=0, misses=1,
+    assert cache.is_released(w) and cache.is_cached(w)
+    assert cache.cache_entries() == [dict(name="w", status="released", hits=0, misses=1,
                                         storage_bytes=nbytes)]
     assert_raises_released(w, "w")
     with pytest.raises(RuntimeError, match=RELEASE_MSG):
@@ -122,12 +122,12 @@ def test_release_frees_exact_bytes_and_restore_returns_them(recipe, fill, shape)
 
     del q
     assert zrw.memory.current() == before - nbytes + fp8  # q's tensors still in the cache
-    assert ops.restore(w, fill) is True
+    cache.restore(w, fill)
     assert zrw.memory.current() == before  # exact: BF16 back, FP8 entry freed
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["released"] == 0 and st["released_bytes"] == 0 and st["entries"] == 0
     assert st["fp8_bytes"] == 0
-    assert not ops.is_released(w) and not ops.is_cached(w)
+    assert not cache.is_released(w) and not cache.is_cached(w)
     assert w.untyped_storage().nbytes() == nbytes
     w.sum()  # readable again
     with torch.no_grad():
@@ -140,16 +140,16 @@ def test_restore_all_returns_exact_bytes(recipe):
     total = sum(w.numel() * w.element_size() for w in ws)
     before = zrw.memory.current()
     for i, w in enumerate(ws):
-        ops.quant_and_release(w, recipe, name=f"w{i}")
-    st = ops.cache_stats()
+        cache.quant_and_release(w, recipe, name=f"w{i}")
+    st = cache.cache_stats()
     assert st["released"] == 3 and st["released_bytes"] == total
     assert zrw.memory.current() == before - total + st["fp8_bytes"]
-    assert ops.restore_all("zeros") == 3
+    assert cache.restore_all("zeros") == 3
     assert zrw.memory.current() == before
-    assert ops.cache_stats()["entries"] == 0
+    assert cache.cache_stats()["entries"] == 0
     for w in ws:
-        assert not ops.is_released(w) and torch.count_nonzero(w) == 0
-    assert ops.restore_all() == 0  # nothing left to restore
+        assert not cache.is_released(w) and torch.count_nonzero(w) == 0
+    assert cache.restore_all() == 0  # nothing left to restore
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
     import torch
     import torch.nn.functional as F
     import zrw
-    from zrw import ops
+    from zrw import cache, ops
     zrw.memory.install()
     torch.manual_seed(0)
 
@@ -168,8 +168,8 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
         lin = torch.nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
         w = lin.weight
         ref = w.detach().clone()
-        ops.quant_and_release(w, recipe, name="layer.weight")
-        assert ops.is_released(w)
+        cache.quant_and_release(w, recipe, name="layer.weight")
+        assert cache.is_released(w)
         x = torch.randn(4, 64, dtype=torch.bfloat16)
 
         def inplace_nograd():
@@ -210,17 +210,17 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
             except RuntimeError as e:
                 msg = str(e)
                 ok = ("'layer.weight'" in msg and "is released" in msg
-                      and "zrw.ops.restore" in msg and "zrw.optim.attach" in msg
+                      and "zrw.cache.restore" in msg and "zrw.optim.attach" in msg
                       and "zrw.no_release()" in msg)
                 print(("RAISED " if ok else "WRONG_MESSAGE ") + recipe + " " + key, flush=True)
                 if not ok:
                     print(msg, flush=True)
             else:
                 print("NO_ERROR " + recipe + " " + key, flush=True)
-            assert ops.is_released(w), key
+            assert cache.is_released(w), key
 
         # After the restore every access works again, with the dequantized values.
-        assert ops.restore(w, "dequant")
+        cache.restore(w, "dequant")
         w.sum(); repr(w); F.linear(x, w); w.clone()
         buf = io.BytesIO()
         torch.save(lin.state_dict(), buf)
@@ -230,7 +230,7 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
         assert sd["weight"].abs().sum() > 0
         print("RESTORED_OK " + recipe, flush=True)
 
-    for recipe in ops.RECIPES:
+    for recipe in cache.RECIPES:
         check(recipe)
     print("DONE", flush=True)
 """)
@@ -268,24 +268,24 @@ def test_gradients_accumulate_into_released_weight(recipe):
     xs = [torch.randn(8, 64, generator=g).to(BF16) for _ in range(2)]
 
     ref_grads = []
-    with ops.no_release():
+    with cache.no_release():
         for x in xs:
             ref_w.grad = None
             mx_linear(x, ref_w, recipe).float().pow(2).sum().backward()
             ref_grads.append(ref_w.grad.clone())
-    assert not ops.is_released(ref_w)
+    assert not cache.is_released(ref_w)
 
     for i, x in enumerate(xs):
         y = mx_linear(x, w, recipe, name="w")
-        assert ops.is_released(w)
+        assert cache.is_released(w)
         y.float().pow(2).sum().backward()
-        assert ops.is_released(w)
+        assert cache.is_released(w)
         assert w.grad is not None and w.grad.shape == w.shape
         if i == 0:
             assert same_bits(w.grad, ref_grads[0])
     # bf16 accumulation: grad = g1 + g2, the same bits AccumulateGrad produces.
     assert same_bits(w.grad, ref_grads[0] + ref_grads[1])
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["misses"] == 2 and st["hits"] == 2  # ref_w: miss, hit; w: miss, hit
     assert_raises_released(w, "w")
 
@@ -295,10 +295,10 @@ def test_dgrad_flows_through_released_weight(recipe):
     w1, w2 = param(64, 64, seed=3), param(32, 64, seed=4)
     r1, r2 = (torch.nn.Parameter(w.detach().clone()) for w in (w1, w2))
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5)).to(BF16)
-    with ops.no_release():
+    with cache.no_release():
         mx_linear(mx_linear(x, r1, recipe), r2, recipe).float().sum().backward()
     mx_linear(mx_linear(x, w1, recipe, "w1"), w2, recipe, "w2").float().sum().backward()
-    assert ops.is_released(w1) and ops.is_released(w2)
+    assert cache.is_released(w1) and cache.is_released(w2)
     assert same_bits(w1.grad, r1.grad) and same_bits(w2.grad, r2.grad)
 
 
@@ -309,14 +309,14 @@ def test_dgrad_flows_through_released_weight(recipe):
 def test_second_call_in_step_is_hit_with_same_tensors(recipe):
     w = param(64, 96)
     ref = w.detach().clone()
-    q1 = ops.quant_and_release(w, recipe, name="w")
+    q1 = cache.quant_and_release(w, recipe, name="w")
     mem = zrw.memory.current()
-    q2 = ops.quant_and_release(w, recipe, name="w")
-    q3 = ops.quant_and_release(w, recipe, name="w")
+    q2 = cache.quant_and_release(w, recipe, name="w")
+    q3 = cache.quant_and_release(w, recipe, name="w")
     assert zrw.memory.current() == mem  # a hit allocates nothing
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["misses"] == 1 and st["hits"] == 2 and st["entries"] == 1
-    assert ops.cache_entries()[0]["hits"] == 2 and ops.cache_entries()[0]["misses"] == 1
+    assert cache.cache_entries()[0]["hits"] == 2 and cache.cache_entries()[0]["misses"] == 1
     for q in (q2, q3):
         for a, b in zip(q_tensors(q1), q_tensors(q)):
             assert a.data_ptr() == b.data_ptr()
@@ -328,10 +328,10 @@ def test_second_call_in_step_is_hit_with_same_tensors(recipe):
 def test_hit_equals_fresh_quantization_of_original(recipe, shape):
     w = param(*shape, seed=7)
     ref = w.detach().clone()
-    ops.quant_and_release(w, recipe, name="w")
-    assert ops.is_released(w)
-    q = ops.quant_and_release(w, recipe, name="w")  # a hit: w's storage holds nothing now
-    assert ops.cache_stats()["hits"] == 1
+    cache.quant_and_release(w, recipe, name="w")
+    assert cache.is_released(w)
+    q = cache.quant_and_release(w, recipe, name="w")  # a hit: w's storage holds nothing now
+    assert cache.cache_stats()["hits"] == 1
     check_fresh(q, ref, recipe)
 
 
@@ -340,8 +340,8 @@ def test_hit_equals_fresh_quantization_of_original(recipe, shape):
 def test_hit_equals_fresh_quantization_other_formats(elem_dtype, scale_mode):
     w = param(64, 96, seed=8)
     ref = w.detach().clone()
-    ops.quant_and_release(w, elem_dtype=elem_dtype, scale_mode=scale_mode)
-    q = ops.quant_and_release(w, elem_dtype=elem_dtype, scale_mode=scale_mode)
+    cache.quant_and_release(w, elem_dtype=elem_dtype, scale_mode=scale_mode)
+    q = cache.quant_and_release(w, elem_dtype=elem_dtype, scale_mode=scale_mode)
     df, sf, db, sb = ops.mx_quantize_dual(ref, elem_dtype, scale_mode)
     assert q.fwd.data.dtype == elem_dtype
     assert same_bits(q.fwd.data, df) and same_bits(q.fwd.scale, sf)
@@ -352,18 +352,18 @@ def test_hit_equals_fresh_quantization_other_formats(elem_dtype, scale_mode):
 def test_next_step_requantizes_new_values(recipe):
     w = param(64, 64, seed=9)
     old = w.detach().clone()
-    q0 = ops.quant_and_release(w, recipe, name="w")
+    q0 = cache.quant_and_release(w, recipe, name="w")
     check_fresh(q0, old, recipe)
     # The optimizer boundary: restore, the optimizer writes new values, next step.
-    assert ops.restore_all("empty") == 1
+    assert cache.restore_all("empty") == 1
     new = (old.float() * -3 + 1).to(BF16)
     with torch.no_grad():
         w.copy_(new)
-    step = ops.cache_stats()["step"]
-    ops.next_step()
-    assert ops.cache_stats()["step"] == step + 1
-    q1 = ops.quant_and_release(w, recipe, name="w")
-    st = ops.cache_stats()
+    step = cache.cache_stats()["step"]
+    cache.next_step()
+    assert cache.cache_stats()["step"] == step + 1
+    q1 = cache.quant_and_release(w, recipe, name="w")
+    st = cache.cache_stats()
     assert st["misses"] == 2 and st["hits"] == 0 and st["released"] == 1
     check_fresh(q1, new, recipe)
     assert not same_bits(q1.fwd.data, q0.fwd.data)
@@ -374,33 +374,33 @@ def test_step_boundary_rule_for_unreleased_weight():
     # served (the step boundary is the rule); next_step re-quantizes.
     w = param(64, 64, seed=10)
     old = w.detach().clone()
-    ops.quant_and_release(w, release=False)
+    cache.quant_and_release(w, release=False)
     w.data.mul_(2)
-    q = ops.quant_and_release(w, release=False)
-    assert ops.cache_stats()["hits"] == 1
+    q = cache.quant_and_release(w, release=False)
+    assert cache.cache_stats()["hits"] == 1
     check_fresh(q, old, "mxfp8")
-    ops.next_step()
-    q = ops.quant_and_release(w, release=False)
-    assert ops.cache_stats()["misses"] == 2
+    cache.next_step()
+    q = cache.quant_and_release(w, release=False)
+    assert cache.cache_stats()["misses"] == 2
     check_fresh(q, w.detach(), "mxfp8")
 
 
 def test_version_bump_invalidates_unreleased_entry_within_step():
     w = param(64, 64, seed=11)
-    ops.quant_and_release(w, release=False)
+    cache.quant_and_release(w, release=False)
     with torch.no_grad():
         w.add_(1)  # bumps the version counter
-    q = ops.quant_and_release(w, release=False)
-    st = ops.cache_stats()
+    q = cache.quant_and_release(w, release=False)
+    st = cache.cache_stats()
     assert st["misses"] == 2 and st["hits"] == 0 and st["entries"] == 1
     check_fresh(q, w.detach(), "mxfp8")
 
 
 def test_requantize_with_other_recipe_when_not_released():
     w = param(64, 64, seed=12)
-    ops.quant_and_release(w, "mxfp8", release=False)
-    q = ops.quant_and_release(w, "mxfp8-32x32", release=False)
-    assert ops.cache_stats()["misses"] == 2 and ops.cache_stats()["entries"] == 1
+    cache.quant_and_release(w, "mxfp8", release=False)
+    q = cache.quant_and_release(w, "mxfp8-32x32", release=False)
+    assert cache.cache_stats()["misses"] == 2 and cache.cache_stats()["entries"] == 1
     check_fresh(q, w.detach(), "mxfp8-32x32")
 
 
@@ -408,28 +408,28 @@ def test_requantize_with_other_recipe_when_not_released():
 def test_recipe_mismatch_on_released_weight_raises(recipe, other):
     w = param(64, 64, seed=13)
     ref = w.detach().clone()
-    ops.quant_and_release(w, recipe, name="proj.weight")
+    cache.quant_and_release(w, recipe, name="proj.weight")
     with pytest.raises(RuntimeError, match="restore it first") as ei:
-        ops.quant_and_release(w, other, name="proj.weight")
+        cache.quant_and_release(w, other, name="proj.weight")
     assert "'proj.weight'" in str(ei.value) and f'"{other}"' in str(ei.value)
     with pytest.raises(RuntimeError, match="restore it first"):
-        ops.quant_and_release(w, recipe, elem_dtype=torch.float8_e5m2)
+        cache.quant_and_release(w, recipe, elem_dtype=torch.float8_e5m2)
     with pytest.raises(RuntimeError, match="restore it first"):
-        ops.quant_and_release(w, recipe, scale_mode="rceil")
+        cache.quant_and_release(w, recipe, scale_mode="rceil")
     # The entry is intact: still released, the right recipe is a hit.
-    assert ops.is_released(w)
-    check_fresh(ops.quant_and_release(w, recipe), ref, recipe)
-    assert ops.cache_stats()["hits"] == 1
+    assert cache.is_released(w)
+    check_fresh(cache.quant_and_release(w, recipe), ref, recipe)
+    assert cache.cache_stats()["hits"] == 1
 
 
 def test_bad_arguments_raise_clear_errors():
     w = param(64, 64)
     with pytest.raises(ValueError, match='recipe must be "mxfp8" or "mxfp8-32x32"'):
-        ops.quant_and_release(w, "fp8")
+        cache.quant_and_release(w, "fp8")
     with pytest.raises(ValueError, match="2-d"):
-        ops.quant_and_release(torch.nn.Parameter(torch.randn(64, dtype=BF16)))
-    assert ops.cache_stats()["entries"] == 0
-    assert not ops.is_released(w)
+        cache.quant_and_release(torch.nn.Parameter(torch.randn(64, dtype=BF16)))
+    assert cache.cache_stats()["entries"] == 0
+    assert not cache.is_released(w)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,74 +440,74 @@ def _guard_cases():
 
     def release_false():
         w = param(n, k)
-        return w, w, lambda: ops.quant_and_release(w, release=False, name="g")
+        return w, w, lambda: cache.quant_and_release(w, release=False, name="g")
 
     def no_grad():
         w = param(n, k)
 
         def call():
             with torch.no_grad():
-                return ops.quant_and_release(w, name="g")
+                return cache.quant_and_release(w, name="g")
         return w, w, call
 
     def no_release_ctx():
         w = param(n, k)
 
         def call():
-            with ops.no_release():
-                return ops.quant_and_release(w, name="g")
+            with cache.no_release():
+                return cache.quant_and_release(w, name="g")
         return w, w, call
 
     def non_leaf():
         w = param(n, k)
         t = w * 1
-        return w, t, lambda: ops.quant_and_release(t, name="g")
+        return w, t, lambda: cache.quant_and_release(t, name="g")
 
     def frozen():
         w = param(n, k, requires_grad=False)
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def flat_offset():
         buf = torch.randn(2 * n * k).to(BF16)
         w = torch.nn.Parameter(buf[n * k:].view(n, k))
         del buf  # the parameter alone holds the storage: only the flat-buffer check can catch it
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def flat_prefix():
         buf = torch.randn(n * k + 32).to(BF16)
         w = torch.nn.Parameter(buf[: n * k].view(n, k))
         del buf
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def flat_shared():
         buf = torch.randn(2 * n * k).to(BF16)
         w = torch.nn.Parameter(buf[: n * k].view(n, k))
         w._buf = buf  # the flat buffer lives on
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def aliased():
         t = torch.randn(n, k).to(BF16)
         w = torch.nn.Parameter(t)
         w._t = t  # t lives
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def aliased_detached_view():
         w = param(n, k)
         w._alias = w.detach()
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def aliased_with_storage_object():
         t = torch.randn(n, k).to(BF16)
         w = torch.nn.Parameter(t)
         w._t, w._s = t, w.untyped_storage()  # t lives, and so does a Python storage object
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     def aliased_temporary_storage_object():
         t = torch.randn(n, k).to(BF16)
         w = torch.nn.Parameter(t)
         w._t = t
         w.untyped_storage()  # a storage object that dies at once must not hide the alias
-        return w, w, lambda: ops.quant_and_release(w, name="g")
+        return w, w, lambda: cache.quant_and_release(w, name="g")
 
     return {
         "release_false": (release_false, "release_false"),
@@ -541,13 +541,16 @@ def test_guard_skips_release_with_reason_and_keeps_storage(case):
     q = call()
     # Only the FP8 copy was allocated: nothing was freed.
     assert zrw.memory.current() - before == q_nbytes(q)
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st[f"skip_{reason}"] == 1
     assert all(st[k] == 0 for k in SKIP_KEYS if k != f"skip_{reason}"), st
-    assert st["released"] == 0 and st["released_bytes"] == 0 and st["entries"] == 1
-    assert ops.cache_entries()[0]["status"] == reason
-    assert not ops.is_released(target) and ops.is_cached(target)
-    assert not ops.is_released(leaf)
+    # Under no_grad nothing is filed (no boundary would ever refresh it); otherwise an entry.
+    filed = reason != "no_grad"
+    assert st["released"] == 0 and st["released_bytes"] == 0 and st["entries"] == int(filed)
+    if filed:
+        assert cache.cache_entries()[0]["status"] == reason
+    assert not cache.is_released(target) and cache.is_cached(target) == filed
+    assert not cache.is_released(leaf)
     # Storage untouched: same memory, same values, readable and writable.
     assert target.untyped_storage().data_ptr() == ptr
     assert leaf.untyped_storage().data_ptr() == leaf_ptr
@@ -555,15 +558,17 @@ def test_guard_skips_release_with_reason_and_keeps_storage(case):
     target.sum()
     repr(target)
     check_fresh(q, ref, "mxfp8")
-    # A later call in the same step is a hit (nothing counted twice). A no_grad entry used again
-    # under grad mode would be released (see test_grad_mode_hit_releases_a_no_grad_entry), so
-    # that case repeats the call under no_grad.
+    # A later call in the same step is a hit (nothing counted twice); under no_grad the weight
+    # is quantized again (a miss).
     with torch.no_grad() if reason == "no_grad" else contextlib.nullcontext():
-        ops.quant_and_release(target, name="g")
-    assert ops.cache_stats()[f"skip_{reason}"] == 1 and ops.cache_stats()["hits"] == 1
-    assert not ops.is_released(target)
-    # restore is a no-op on it.
-    assert ops.restore(target, "zeros") is False
+        cache.quant_and_release(target, name="g")
+    st = cache.cache_stats()
+    assert st[f"skip_{reason}"] == (1 if filed else 2)
+    assert (st["hits"], st["misses"]) == ((1, 1) if filed else (0, 2))
+    assert not cache.is_released(target)
+    # restore of a weight that is not released raises (DESIGN.md §8) and changes nothing.
+    with pytest.raises(ValueError, match="not released|never released"):
+        cache.restore(target, "zeros")
     assert same_bits(target.detach(), ref)
 
 
@@ -573,34 +578,36 @@ def test_python_storage_object_alone_does_not_block_release():
     w = param(64, 64)
     st = w.untyped_storage()
     before = zrw.memory.current()
-    q = ops.quant_and_release(w, name="hf.weight")
-    assert ops.is_released(w)
+    q = cache.quant_and_release(w, name="hf.weight")
+    assert cache.is_released(w)
     assert zrw.memory.current() - before == q_nbytes(q) - 64 * 64 * 2
     with pytest.raises(RuntimeError, match=RELEASE_MSG):
         st.data_ptr()
     with pytest.raises(RuntimeError, match=RELEASE_MSG):
         torch.empty(0, dtype=BF16).set_(st).sum()
-    assert ops.restore(w, "zeros")
+    cache.restore(w, "zeros")
     assert torch.count_nonzero(torch.empty(0, dtype=BF16).set_(st)) == 0
 
 
 def test_no_grad_and_no_release_count_each_skip():
     ws = [param(64, 64, seed=i) for i in range(3)]
     with torch.no_grad():
-        ops.quant_and_release(ws[0])
-    with ops.no_release():
-        assert not ops.release_enabled()
-        with ops.no_release():
-            ops.quant_and_release(ws[1])
-        assert not ops.release_enabled()  # nesting restores the outer state
-        ops.quant_and_release(ws[2], "mxfp8-32x32")
-    assert ops.release_enabled()
-    st = ops.cache_stats()
-    assert st["entries"] == 3 and st["released"] == 0
+        cache.quant_and_release(ws[0])
+    with cache.no_release():
+        assert not cache.release_enabled()
+        with cache.no_release():
+            cache.quant_and_release(ws[1])
+        assert not cache.release_enabled()  # nesting restores the outer state
+        cache.quant_and_release(ws[2], "mxfp8-32x32")
+    assert cache.release_enabled()
+    st = cache.cache_stats()
+    # The no_grad call quantized ws[0] without filing it; no_release filed ws[1] and ws[2].
+    assert st["entries"] == 2 and st["released"] == 0
     assert st["skip_no_grad"] == 1 and st["skip_release_false"] == 2
     assert st["fp8_bytes"] > 0
+    assert not cache.is_cached(ws[0])
     for w in ws:
-        assert ops.is_cached(w) and not ops.is_released(w)
+        assert cache.is_cached(w) == (w is not ws[0]) and not cache.is_released(w)
         w.sum()
 
 
@@ -609,24 +616,24 @@ def test_no_release_is_thread_local():
     out = {}
 
     def other():
-        ops.quant_and_release(b, name="b")
-        out["released"] = ops.is_released(b)
+        cache.quant_and_release(b, name="b")
+        out["released"] = cache.is_released(b)
 
-    with ops.no_release():
-        ops.quant_and_release(a, name="a")
+    with cache.no_release():
+        cache.quant_and_release(a, name="a")
         t = threading.Thread(target=other)
         t.start()
         t.join()
-    assert not ops.is_released(a)
+    assert not cache.is_released(a)
     assert out["released"] is True
 
 
 def test_cached_under_no_release_stays_unreleased_on_later_hit():
     w = param(64, 64)
-    with ops.no_release():
-        ops.quant_and_release(w)
-    ops.quant_and_release(w)  # same step, a hit: returns the copy, does not touch w
-    assert ops.cache_stats()["hits"] == 1 and not ops.is_released(w)
+    with cache.no_release():
+        cache.quant_and_release(w)
+    cache.quant_and_release(w)  # same step, a hit: returns the copy, does not touch w
+    assert cache.cache_stats()["hits"] == 1 and not cache.is_released(w)
     w.sum()
 
 
@@ -640,34 +647,34 @@ def test_frozen_weight_stays_released_through_boundaries(recipe):
     t = param(64, 64, seed=21)  # an ordinary trainable weight next to it
     nbytes = f.numel() * f.element_size()
     before = zrw.memory.current()
-    q = ops.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
+    q = cache.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
     assert zrw.memory.current() - before == q_nbytes(q) - nbytes
-    ops.quant_and_release(t, recipe, name="t")
-    st = ops.cache_stats()
+    cache.quant_and_release(t, recipe, name="t")
+    st = cache.cache_stats()
     assert st["frozen"] == 1 and st["released"] == 2
-    assert ops.is_released(f)
+    assert cache.is_released(f)
 
     for step in range(3):
-        assert ops.restore_all() == 1  # only t
-        assert ops.is_released(f) and not ops.is_released(t)
+        assert cache.restore_all() == 1  # only t
+        assert cache.is_released(f) and not cache.is_released(t)
         assert_raises_released(f, "base.weight")
-        ops.next_step()
-        st = ops.cache_stats()
+        cache.next_step()
+        st = cache.cache_stats()
         assert st["frozen"] == 1 and st["released_bytes"] == nbytes and st["entries"] == 1
         misses = st["misses"]
-        q2 = ops.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
-        assert ops.cache_stats()["misses"] == misses  # a hit in every step
+        q2 = cache.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
+        assert cache.cache_stats()["misses"] == misses  # a hit in every step
         check_fresh(q2, ref, recipe)
-        ops.quant_and_release(t, recipe, name="t")
-    ops.restore_all()
-    assert ops.is_released(f)
+        cache.quant_and_release(t, recipe, name="t")
+    cache.restore_all()
+    assert cache.is_released(f)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("how", ["cache_clear", "cache_invalidate"])
 def test_clearing_frozen_weight_restores_it_by_dequant(recipe, how):
     f = param(72, 64, seed=22, requires_grad=False)
-    q = ops.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
+    q = cache.quant_and_release(f, recipe, release_frozen=True, name="base.weight")
     expected = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, BF16)
     if recipe == "mxfp8-32x32":  # the same values from the 32x32 tiles
         assert same_bits(expected, ops.mx_dequantize(q.bwd.data, q.bwd.scale, -2, BF16))
@@ -675,22 +682,22 @@ def test_clearing_frozen_weight_restores_it_by_dequant(recipe, how):
     before = zrw.memory.current()
     del q
     if how == "cache_clear":
-        ops.cache_clear()
+        cache.cache_clear()
     else:
-        assert ops.cache_invalidate(f) is True
-    assert not ops.is_released(f) and not ops.is_cached(f)
+        assert cache.cache_invalidate(f) is True
+    assert not cache.is_released(f) and not cache.is_cached(f)
     assert same_bits(f.detach(), expected)
-    assert ops.cache_stats()["entries"] == 0 and ops.cache_stats()["fp8_bytes"] == 0
+    assert cache.cache_stats()["entries"] == 0 and cache.cache_stats()["fp8_bytes"] == 0
     assert zrw.memory.current() == before - fp8 + f.numel() * 2  # BF16 back, FP8 gone
 
 
 def test_cache_invalidate_of_unreleased_entry_keeps_values():
     w = param(64, 64)
     ref = w.detach().clone()
-    assert ops.cache_invalidate(w) is False  # no entry
-    ops.quant_and_release(w, release=False)
-    assert ops.cache_invalidate(w) is True
-    assert not ops.is_cached(w) and same_bits(w.detach(), ref)
+    assert cache.cache_invalidate(w) is False  # no entry
+    cache.quant_and_release(w, release=False)
+    assert cache.cache_invalidate(w) is True
+    assert not cache.is_cached(w) and same_bits(w.detach(), ref)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -699,87 +706,95 @@ def test_cache_invalidate_of_unreleased_entry_keeps_values():
 @pytest.mark.parametrize("released", [True, False])
 def test_entry_disappears_when_parameter_is_collected(released):
     keep = param(64, 64, seed=30)
-    ops.quant_and_release(keep, name="keep")
+    cache.quant_and_release(keep, name="keep")
     w = param(96, 64, seed=31)
-    q = ops.quant_and_release(w, release=released, name="w")
+    q = cache.quant_and_release(w, release=released, name="w")
     fp8_w = q_nbytes(q)
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["entries"] == 2
     fp8_all = st["fp8_bytes"]
     del q
     gc.collect()  # earlier garbage goes now, not inside the measurement
     mem = zrw.memory.current()
     del w  # the last reference: freed by refcount
-    st = ops.cache_stats()  # sweeps dead entries
+    st = cache.cache_stats()  # sweeps dead entries
     assert st["entries"] == 1
     assert st["fp8_bytes"] == fp8_all - fp8_w
     freed = mem - zrw.memory.current()
     # The FP8 copy went with the entry; an unreleased weight's BF16 storage went with it too.
     assert freed == fp8_w + (0 if released else 96 * 64 * 2)
-    assert [e["name"] for e in ops.cache_entries()] == ["keep"]
-    assert ops.restore_all() == 1  # the dead weight is not restored (no crash)
+    assert [e["name"] for e in cache.cache_entries()] == ["keep"]
+    assert cache.restore_all() == 1  # the dead weight is not restored (no crash)
 
 
 def test_collected_weights_key_is_not_confused_with_new_tensor():
     for i in range(20):
         w = param(64, 64, seed=i)
         ref = w.detach().clone()
-        q = ops.quant_and_release(w, name=f"w{i}")
+        q = cache.quant_and_release(w, name=f"w{i}")
         check_fresh(q, ref, "mxfp8")  # never a stale entry of a previous (dead) weight
-        assert ops.cache_stats()["misses"] == i + 1
+        assert cache.cache_stats()["misses"] == i + 1
         del w, q  # freed by refcount; its entry is swept at the next call
-    assert ops.cache_stats()["entries"] == 0
+    assert cache.cache_stats()["entries"] == 0
 
 
 # ------------------------------------------------------------------------------------------------
 # restore: no-ops, fills, master.
 
-def test_restore_of_never_released_weight_is_noop():
+def test_restore_of_a_weight_that_is_not_released_raises():
+    # DESIGN.md §8: restoring a weight that was never released (or is not now) is an error
+    # that says why; it changes nothing.
     w = param(64, 64)
     ref = w.detach().clone()
-    for fill in ops.FILLS:
-        assert ops.restore(w, fill) is False  # never seen
-    ops.quant_and_release(w, release=False)
-    for fill in ops.FILLS:
-        assert ops.restore(w, fill) is False  # cached, not released
-    assert ops.is_cached(w) and same_bits(w.detach(), ref)
+    for fill in cache.FILLS:
+        with pytest.raises(ValueError, match=r"never released: it has no cache entry"):
+            cache.restore(w, fill)
+    cache.set_weight_name(w, "kept")
+    cache.quant_and_release(w, release=False)
+    for fill in cache.FILLS:
+        with pytest.raises(ValueError, match=r"'kept' is not released .*release_false"):
+            cache.restore(w, fill)
+    assert cache.is_cached(w) and same_bits(w.detach(), ref)
     frozen = param(64, 64, requires_grad=False)
-    ops.quant_and_release(frozen)  # frozen without release_frozen: cached only
-    for fill in ops.FILLS:
-        assert ops.restore(frozen, fill) is False
-    assert ops.restore_all("zeros") == 0  # nothing released: nothing restored or zeroed
+    cache.quant_and_release(frozen, name="f")  # frozen without release_frozen: cached only
+    for fill in cache.FILLS:
+        with pytest.raises(ValueError, match=r"'f' is not released .*frozen"):
+            cache.restore(frozen, fill)
+    assert cache.restore_all("zeros") == 0  # nothing released: nothing restored or zeroed
     assert same_bits(w.detach(), ref)
 
 
-def test_restore_twice_and_after_invalidate_is_noop():
+def test_restore_twice_and_after_invalidate_raises():
     w = param(64, 64, seed=3)
-    ops.quant_and_release(w)
-    assert ops.restore(w, "zeros") is True
-    assert ops.restore(w, "zeros") is False
-    assert ops.restore(w, "dequant") is False
-    ops.quant_and_release(w)
-    assert ops.cache_invalidate(w, "zeros") is True
-    assert ops.restore(w, "dequant") is False
+    cache.quant_and_release(w)
+    cache.restore(w, "zeros")
+    for fill in ("zeros", "dequant"):
+        with pytest.raises(ValueError, match="never released"):
+            cache.restore(w, fill)
+    cache.quant_and_release(w)
+    assert cache.cache_invalidate(w, "zeros") is True
+    with pytest.raises(ValueError, match="never released"):
+        cache.restore(w, "dequant")
     assert torch.count_nonzero(w) == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fill_zeros_and_dequant(recipe):
     a, b = param(72, 64, seed=40), param(72, 64, seed=41)
-    ops.quant_and_release(a, recipe)
-    qb = ops.quant_and_release(b, recipe)
-    assert ops.restore(a, "zeros") is True
+    cache.quant_and_release(a, recipe)
+    qb = cache.quant_and_release(b, recipe)
+    cache.restore(a, "zeros")
     assert torch.count_nonzero(a) == 0 and a.dtype == BF16
     expected = ops.mx_dequantize(qb.fwd.data, qb.fwd.scale, -1, BF16)
-    assert ops.restore(b, "dequant") is True
+    cache.restore(b, "dequant")
     assert same_bits(b.detach(), expected)
 
 
 def test_restore_all_dequant():
     ws = [param(64, 64, seed=i) for i in range(2)]
-    qs = [ops.quant_and_release(w) for w in ws]
+    qs = [cache.quant_and_release(w) for w in ws]
     expected = [ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, BF16) for q in qs]
-    assert ops.restore_all("dequant") == 2
+    assert cache.restore_all("dequant") == 2
     for w, e in zip(ws, expected):
         assert same_bits(w.detach(), e)
 
@@ -787,29 +802,32 @@ def test_restore_all_dequant():
 @pytest.mark.parametrize("bad", ["bogus", "", "Empty", "dequantize", "master "])
 def test_invalid_fill_raises_and_keeps_weight_released(bad):
     w = param(64, 64)
-    ops.quant_and_release(w, name="w")
-    calls = [lambda: ops.restore(w, bad), lambda: ops.restore_all(bad),
-             lambda: ops.cache_clear(bad), lambda: ops.cache_invalidate(w, bad)]
+    cache.quant_and_release(w, name="w")
+    calls = [lambda: cache.restore(w, bad), lambda: cache.restore_all(bad),
+             lambda: cache.cache_clear(bad), lambda: cache.cache_invalidate(w, bad)]
     for call in calls:
         with pytest.raises(ValueError, match="fill must be one of") as ei:
             call()
         assert repr(bad) in str(ei.value)
-        assert ops.is_released(w) and ops.cache_stats()["entries"] == 1
-    # The native op names the valid fills and points "master" at zrw.ops.restore.
-    with pytest.raises(ValueError, match='"master" is handled by zrw.ops.restore'):
-        torch.ops.zrw.restore(w, "master")
-    assert ops.is_released(w)
+        assert cache.is_released(w) and cache.cache_stats()["entries"] == 1
+    # The native op names the valid fills; "master" needs the master as its source.
+    with pytest.raises(ValueError, match="fill must be one of"):
+        torch.ops.zrw.restore(w, bad, None)
+    with pytest.raises(ValueError, match=r'fill "master" of weight \'w\' needs its master'):
+        torch.ops.zrw.restore(w, "master", None)
+    assert cache.is_released(w)
 
 
 def test_fill_master_without_master_raises_and_keeps_weight():
     w = param(64, 64)
-    q = ops.quant_and_release(w, name="w")
+    q = cache.quant_and_release(w, name="w")
     with pytest.raises(ValueError, match="MasterWeights") as ei:
-        ops.restore(w, "master")
+        cache.restore(w, "master")
     assert "dequant" in str(ei.value)
-    assert ops.is_released(w)  # nothing lost: still restorable by dequant
+    assert cache.is_released(w)  # nothing lost: still restorable by dequant
     expected = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, BF16)
-    assert ops.restore(w, "dequant") and same_bits(w.detach(), expected)
+    cache.restore(w, "dequant")
+    assert same_bits(w.detach(), expected)
 
 
 def _set_masters(opt, seed):
@@ -828,15 +846,15 @@ def test_fill_master_restores_bf16_of_master_exactly(recipe):
     opt = MasterWeights(torch.optim.AdamW, ws, lr=1e-3)
     masters = _set_masters(opt, 52)
     for w in ws:
-        ops.quant_and_release(w, recipe, name="w")
-        assert ops.is_released(w)
-    assert ops.restore(ws[0], "master") is True
-    assert not ops.is_released(ws[0])
+        cache.quant_and_release(w, recipe, name="w")
+        assert cache.is_released(w)
+    cache.restore(ws[0], "master")
+    assert not cache.is_released(ws[0])
     assert same_bits(ws[0].detach(), masters[0].to(BF16))
-    assert ops.is_released(ws[1])
-    assert ops.restore_all("master") == 1
+    assert cache.is_released(ws[1])
+    assert cache.restore_all("master") == 1
     assert same_bits(ws[1].detach(), masters[1].to(BF16))
-    assert ops.cache_stats()["entries"] == 0
+    assert cache.cache_stats()["entries"] == 0
 
 
 def test_restore_all_master_leaves_frozen_entries_released():
@@ -846,11 +864,11 @@ def test_restore_all_master_leaves_frozen_entries_released():
     f = param(64, 64, seed=61, requires_grad=False)
     opt = MasterWeights(torch.optim.AdamW, [t, f], lr=1e-3)
     masters = _set_masters(opt, 62)
-    ops.quant_and_release(t, name="t")
-    ops.quant_and_release(f, release_frozen=True, name="f")
-    assert ops.restore_all("master") == 1
+    cache.quant_and_release(t, name="t")
+    cache.quant_and_release(f, release_frozen=True, name="f")
+    assert cache.restore_all("master") == 1
     assert same_bits(t.detach(), masters[0].to(BF16))
-    assert ops.is_released(f)
+    assert cache.is_released(f)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -869,12 +887,12 @@ def test_concurrent_quant_and_release_on_different_weights(recipe):
     def work(i):
         try:
             barrier.wait()
-            first = ops.quant_and_release(ws[i], recipe, name=f"w{i}")
+            first = cache.quant_and_release(ws[i], recipe, name=f"w{i}")
             for _ in range(calls - 1):
-                q = ops.quant_and_release(ws[i], recipe, name=f"w{i}")
+                q = cache.quant_and_release(ws[i], recipe, name=f"w{i}")
                 assert q.fwd.data.data_ptr() == first.fwd.data.data_ptr()
-                ops.cache_stats()
-                ops.cache_entries()
+                cache.cache_stats()
+                cache.cache_entries()
             results[i] = first
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -884,11 +902,11 @@ def test_concurrent_quant_and_release_on_different_weights(recipe):
         t.start()
     barrier.wait()
     for _ in range(calls):
-        ops.cache_stats()  # a concurrent reader
+        cache.cache_stats()  # a concurrent reader
     for t in threads:
         t.join()
     assert not errors, errors
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["entries"] == n_threads and st["released"] == n_threads
     assert st["misses"] == n_threads and st["hits"] == n_threads * (calls - 1)
     assert st["released_bytes"] == nbytes
@@ -897,7 +915,7 @@ def test_concurrent_quant_and_release_on_different_weights(recipe):
     assert zrw.memory.current() - before == fp8 - nbytes
     for q, ref in zip(results, refs):
         check_fresh(q, ref, recipe)
-    assert ops.restore_all("zeros") == n_threads
+    assert cache.restore_all("zeros") == n_threads
     del results, q
     assert zrw.memory.current() == before
 
@@ -913,7 +931,7 @@ def test_concurrent_calls_on_the_same_weight_quantize_once():
         try:
             barrier.wait()
             for _ in range(10):
-                ptrs.append(ops.quant_and_release(w, name="w").fwd.data.data_ptr())
+                ptrs.append(cache.quant_and_release(w, name="w").fwd.data.data_ptr())
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -923,24 +941,34 @@ def test_concurrent_calls_on_the_same_weight_quantize_once():
     for t in threads:
         t.join()
     assert not errors, errors
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["misses"] == 1 and st["hits"] == n_threads * 10 - 1 and st["released"] == 1
     assert len(set(ptrs)) == 1
-    check_fresh(ops.quant_and_release(w), ref, "mxfp8")
+    check_fresh(cache.quant_and_release(w), ref, "mxfp8")
 
 
-def test_grad_mode_hit_releases_a_no_grad_entry():
-    # A reentrant activation checkpoint runs its forward under no_grad (a miss that cannot
-    # release) and the recompute under grad mode (a hit): the hit releases, or the weight would
-    # stay resident for the whole step.
+def test_no_grad_miss_is_not_filed_and_the_recompute_releases():
+    # A reentrant activation checkpoint runs its forward under no_grad (quantized, not filed:
+    # no boundary would refresh it) and the recompute under grad mode (a miss that releases).
     w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
     with torch.no_grad():
-        ops.quant_and_release(w, name="ckpt")
-    assert not ops.is_released(w)
+        cache.quant_and_release(w, name="ckpt")
+    assert not cache.is_released(w) and not cache.is_cached(w)
     before = zrw.memory.current()
-    ops.quant_and_release(w, name="ckpt")
-    assert ops.is_released(w)
-    assert before - zrw.memory.current() == w.numel() * w.element_size()
-    st = ops.cache_stats()
-    assert st["hits"] == 1 and st["misses"] == 1 and st["released_bytes"] == 64 * 96 * 2
-    ops.restore_all("zeros")
+    cache.quant_and_release(w, name="ckpt")
+    assert cache.is_released(w)
+    st = cache.cache_stats()
+    assert st["hits"] == 0 and st["misses"] == 2 and st["released_bytes"] == 64 * 96 * 2
+    cache.restore_all("zeros")
+
+
+def test_no_grad_sees_a_write_through_data():
+    # Eval under no_grad never reaches a step boundary, and `w.data.copy_` bumps no version:
+    # each no_grad call must quantize what the weight holds now.
+    w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
+    with torch.no_grad():
+        q1 = cache.quant_and_release(w, name="eval")
+        w.data.copy_(torch.randn(64, 96, dtype=torch.bfloat16))
+        q2 = cache.quant_and_release(w, name="eval")
+    check_fresh(q2, w.detach().clone(), "mxfp8")
+    assert not same_bits(q1.fwd.data, q2.fwd.data)

@@ -12,6 +12,7 @@ import torch
 
 import zrw
 from zrw import ops
+from zrw import cache
 
 from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
 from zrw.optim import MasterWeights, attach, detach
@@ -47,7 +48,7 @@ class MLP(torch.nn.Module):
         self.skip = skip
 
     def forward(self, x, recipe, step):
-        qs = [ops.quant_and_release(l.weight, recipe, name=f"layers.{i}.weight")
+        qs = [cache.quant_and_release(l.weight, recipe, name=f"layers.{i}.weight")
               for i, l in enumerate(self.layers)]
         for i, (l, q) in enumerate(zip(self.layers, qs)):
             if i == self.skip and step % 2 == 1:
@@ -66,7 +67,7 @@ def train(recipe, release, steps=STEPS):
     weights, and per step what a pre-hook registered BEFORE attach's hook saw: the allocator's
     peak since the first forward, its current bytes (both counted from the live bytes at the
     start of the run), cache_stats, and which weights were released."""
-    ops.cache_clear()  # counters from zero
+    cache.cache_clear()  # counters from zero
     base = zrw.memory.current()  # whatever earlier runs left alive is not this run's
     torch.manual_seed(0)
     model = MLP(DIM, LAYERS, SKIP)
@@ -76,8 +77,8 @@ def train(recipe, release, steps=STEPS):
 
     def record(o, args, kwargs):  # runs before attach's pre-hook: weights still released
         seen.append(dict(peak=zrw.memory.peak() - base, current=zrw.memory.current() - base,
-                         stats=ops.cache_stats(),
-                         released=[ops.is_released(w) for w in ws]))
+                         stats=cache.cache_stats(),
+                         released=[cache.is_released(w) for w in ws]))
 
     opt.register_step_pre_hook(record)
     attach(opt)
@@ -91,7 +92,7 @@ def train(recipe, release, steps=STEPS):
             if release:
                 y = model(x, recipe, step)
             else:
-                with ops.no_release():
+                with cache.no_release():
                     y = model(x, recipe, step)
             loss = y.float().pow(2).mean() / MICRO
             loss.backward()
@@ -101,15 +102,15 @@ def train(recipe, release, steps=STEPS):
             assert ws[SKIP].grad is None  # no gradient for that weight in this step
         opt.step()
         opt.zero_grad()
-        assert not any(ops.is_released(w) for w in ws)
+        assert not any(cache.is_released(w) for w in ws)
     return dict(losses=losses, weights=[w.detach().clone() for w in ws], seen=seen,
                 bf16_bytes=[w.numel() * w.element_size() for w in ws])
 
 
-@pytest.fixture(scope="module", params=list(ops.RECIPES))
+@pytest.fixture(scope="module", params=list(cache.RECIPES))
 def runs(request):
     """The same training run with release on and off (module-scoped: run once per recipe)."""
-    ops.cache_clear()
+    cache.cache_clear()
     gc.collect()
     gc.disable()
     try:
@@ -118,7 +119,7 @@ def runs(request):
         on = train(request.param, release=True)
     finally:
         gc.enable()
-        ops.cache_clear()
+        cache.cache_clear()
     return request.param, on, off
 
 
@@ -173,31 +174,44 @@ def test_step_counter_and_cache_emptied_at_boundary():
     w = param(64, 64, seed=1)
     opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
     after = []
-    opt.register_step_post_hook(lambda o, a, k: after.append(ops.cache_stats()))
-    step0 = ops.cache_stats()["step"]
+    opt.register_step_post_hook(lambda o, a, k: after.append(cache.cache_stats()))
+    step0 = cache.cache_stats()["step"]
     for _ in range(2):
         x = torch.randn(4, 64).to(BF16)
-        MXLinearFn.apply(x, w, ops.quant_and_release(w, name="w")).sum().backward()
-        assert ops.is_released(w)
+        MXLinearFn.apply(x, w, cache.quant_and_release(w, name="w")).sum().backward()
+        assert cache.is_released(w)
         opt.step()
         opt.zero_grad()
-        assert not ops.is_released(w) and not ops.is_cached(w)
+        assert not cache.is_released(w) and not cache.is_cached(w)
         w.sum()
-    assert ops.cache_stats()["step"] == step0 + 2
+    assert cache.cache_stats()["step"] == step0 + 2
     assert [a["entries"] for a in after] == [0, 0]  # the boundary dropped the FP8 entry
     assert [a["step"] for a in after] == [step0 + 1, step0 + 2]  # post-hook: next_step
 
 
-def test_hooks_registered_after_attach_see_restored_weights():
+def test_master_weights_restores_at_its_write_back_plain_optimizer_in_the_pre_hook():
+    # MasterWeights restores a released weight when it writes its master back (after the inner
+    # step: the BF16 bytes are not resident during it, and are filled before they are
+    # visible); an optimizer that steps the weights itself gets them in the boundary's pre-hook.
     w = param(64, 64, seed=2)
-    opt = MasterWeights(torch.optim.AdamW, [w], lr=1e-3)
+    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
     order = []
-    opt.register_step_pre_hook(lambda o, a, k: order.append(("before", ops.is_released(w))))
-    attach(opt)
-    opt.register_step_pre_hook(lambda o, a, k: order.append(("after", ops.is_released(w))))
-    ops.quant_and_release(w, name="w")
+    opt.register_step_pre_hook(lambda o, a, k: order.append(("pre", cache.is_released(w))))
+    opt.register_step_post_hook(lambda o, a, k: order.append(("post", cache.is_released(w))))
+    cache.quant_and_release(w, name="w")
     opt.step()
-    assert order == [("before", True), ("after", False)]
+    assert order == [("pre", True), ("post", False)]
+
+    v = param(64, 64, seed=3)
+    plain = torch.optim.AdamW([v], lr=1e-3)
+    seen = []
+    plain.register_step_pre_hook(lambda o, a, k: seen.append(("before", cache.is_released(v))))
+    attach(plain, fill="dequant")
+    plain.register_step_pre_hook(lambda o, a, k: seen.append(("after", cache.is_released(v))))
+    cache.quant_and_release(v, name="v")
+    v.grad = torch.ones_like(v)
+    plain.step()
+    assert seen == [("before", True), ("after", False)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,12 +246,12 @@ def test_attach_dequant_with_plain_adamw():
     w = param(64, 64, seed=3)
     ref = torch.nn.Parameter(w.detach().clone())
     opt = attach(torch.optim.AdamW([w], lr=1e-2), fill="dequant")
-    q = ops.quant_and_release(w, name="w")
+    q = cache.quant_and_release(w, name="w")
     deq = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, BF16)
     grad = torch.randn(64, 64).to(BF16)
     w.grad = grad.clone()
     opt.step()
-    assert not ops.is_released(w)
+    assert not cache.is_released(w)
     # The weight AdamW stepped is the dequantized FP8 copy (lossy, as documented).
     with torch.no_grad():
         ref.copy_(deq)
@@ -250,12 +264,24 @@ def test_detach_removes_boundary():
     w = param(32, 32)
     opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
     detach(opt)
-    ops.quant_and_release(w, name="w")
-    step = ops.cache_stats()["step"]
-    with pytest.raises(RuntimeError, match="is released"):
-        opt.step()  # MasterWeights writes into the still-released weight: zrw's error
-    assert ops.cache_stats()["step"] == step
-    ops.restore(w, "zeros")
+    assert getattr(opt, "_zrw_boundary_hooks") is None
+    cache.quant_and_release(w, name="w")
+    step = cache.cache_stats()["step"]
+    # Without the boundary nothing calls next_step; MasterWeights' write-back still restores
+    # its released weights from their masters (it never writes into a released storage).
+    opt.step()
+    assert cache.cache_stats()["step"] == step
+    assert not cache.is_released(w) and same_bits(w, opt.masters[0][0].to(BF16))
+    v = param(32, 32, seed=1)
+    plain = attach(torch.optim.SGD([v], lr=0.1), fill="dequant")
+    detach(plain)
+    cache.quant_and_release(v, name="v")
+    v.grad = torch.ones_like(v)
+    with pytest.raises(RuntimeError, match=r"would update 1 weight\(s\) whose BF16 storage is "
+                       r"released: 'v'\. Nothing was stepped"):
+        plain.step()
+    assert cache.is_released(v)
+    cache.restore(v, "zeros")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,11 +295,11 @@ def test_master_weights_writes_params_without_grad_after_empty_restore():
         for m in (opt.masters[0][0], opt.masters[0][1]):
             m.mul_(-2).add_(0.123456)
     mb_before = opt.masters[0][1].clone()
-    ops.quant_and_release(a, name="a")
-    ops.quant_and_release(b, name="b")
+    cache.quant_and_release(a, name="a")
+    cache.quant_and_release(b, name="b")
     a.grad = torch.randn(64, 64).to(BF16)  # b gets no gradient (an expert no token chose)
-    opt.step()  # pre-hook: "empty" restore of both
-    assert not ops.is_released(a) and not ops.is_released(b)
+    opt.step()  # the write-back restores both from their masters
+    assert not cache.is_released(a) and not cache.is_released(b)
     assert torch.equal(opt.masters[0][1], mb_before)  # AdamW skipped it
     assert same_bits(b, mb_before.to(BF16))
     assert same_bits(a, opt.masters[0][0].to(BF16))
@@ -322,8 +348,8 @@ def test_master_weights_twice_over_same_params():
     opt2 = MasterWeights(torch.optim.AdamW, [w], lr=1e-3)
     with torch.no_grad():
         opt2.masters[0][0].add_(1.0)
-    ops.quant_and_release(w, name="w")
-    assert ops.restore(w, "master") is True
+    cache.quant_and_release(w, name="w")
+    cache.restore(w, "master")
     assert same_bits(w, opt2.masters[0][0].to(BF16))
 
 

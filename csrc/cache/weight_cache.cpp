@@ -7,9 +7,22 @@
 //
 // Release frees the storage's memory and poisons it with c10's data-pointer error, so that any
 // read or write of the released weight raises a Python error that names it and says how to get
-// it back; restore clears the error and re-allocates the original number of bytes. The storage
-// object itself stays, so every tensor and autograd node that refers to it stays valid, and
-// gradients (which only need shape metadata) still accumulate into the released leaf.
+// it back. The storage object itself stays, so every tensor and autograd node that refers to it
+// stays valid, and gradients (which only need shape metadata) still accumulate into the
+// released leaf.
+//
+// Restore is the one path that writes a released weight back, and it keeps these invariants
+// (DESIGN.md §5, "Safety invariants"), whatever fails on the way:
+//  - it writes only into the storage the weight was released with (the entry keeps it), with
+//    the dtype and geometry recorded at release, after checking that the weight still holds
+//    that storage with that layout; a mismatch raises and changes nothing;
+//  - it allocates the bytes and fills them (zeros, dequantized FP8, the FP32 master) before it
+//    installs them and clears the poison: a failed allocation or fill leaves the weight exactly
+//    as it was, released, with its entry and FP8 copy;
+//  - batch restores are all-or-nothing per weight: every weight that could not be restored
+//    keeps its entry, and the error raised after the loop names each one;
+//  - all of it runs under the cache's lock, fills included, so concurrent quant_and_release,
+//    restore and assign calls on the same weights are serialized.
 //
 // The kernels are registered for CompositeExplicitAutograd: quantization is called through the
 // dispatcher, so the cache works for any device that has the zrw quantization kernels.
@@ -17,16 +30,21 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
 #include <map>
+#include <optional>
+#include <sstream>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/names.h"
+#include "../mx/mx_block_scale.h"
 
 namespace zrw::cache {
 namespace {
@@ -34,19 +52,21 @@ namespace {
 enum class Recipe { MXFP8, MXFP8_32x32 };
 
 Recipe parse_recipe(const char* op, const std::string& r) {
-  if (r == "mxfp8") return Recipe::MXFP8;
-  if (r == "mxfp8-32x32") return Recipe::MXFP8_32x32;
-  TORCH_CHECK_VALUE(false, op, ": recipe must be \"mxfp8\" or \"mxfp8-32x32\", got \"", r, "\"");
+  if (r == names::kCacheRecipes[0]) return Recipe::MXFP8;
+  if (r == names::kCacheRecipes[1]) return Recipe::MXFP8_32x32;
+  TORCH_CHECK_VALUE(false, op, ": recipe must be \"", names::kCacheRecipes[0], "\" or \"",
+                    names::kCacheRecipes[1], "\", got \"", r, "\"");
 }
 
-enum class Fill { Empty, Zeros, Dequant };
+// names::kFills, in order.
+enum class Fill { Empty, Zeros, Dequant, Master };
 
 Fill parse_fill(const char* op, const std::string& f) {
-  if (f == "empty") return Fill::Empty;
-  if (f == "zeros") return Fill::Zeros;
-  if (f == "dequant") return Fill::Dequant;
-  TORCH_CHECK_VALUE(false, op, ": fill must be \"empty\", \"zeros\" or \"dequant\" (\"master\" is "
-                    "handled by zrw.ops.restore with MasterWeights), got \"", f, "\"");
+  for (int i = 0; i < 4; ++i) {
+    if (f == names::kFills[i]) return static_cast<Fill>(i);
+  }
+  TORCH_CHECK_VALUE(false, op, ": fill must be one of \"empty\", \"zeros\", \"dequant\", "
+                    "\"master\", got \"", f, "\"");
 }
 
 // Why a weight was not released; each reason has its own counter in cache_stats().
@@ -73,6 +93,11 @@ struct Entry {
   // mxfp8-32x32: {data, scale_fwd, data, scale_bwd, block_scale} (one data tensor, twice).
   std::vector<at::Tensor> tensors;
   int64_t storage_nbytes = 0;  // the storage's bytes before release
+  // What the weight was released as: the storage (kept: it holds no bytes while released, and
+  // a restore writes into it and nowhere else), the dtype and the geometry of the bytes.
+  c10::intrusive_ptr<c10::StorageImpl> storage;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes, strides;
   const char* status = kReleased;  // kReleased or a skip reason
   bool released = false;
   bool frozen = false;  // released with release_frozen: FP8 only for good, survives step ends
@@ -92,6 +117,66 @@ int64_t fp8_bytes(const Entry& e) {
   }
   return n;
 }
+
+// Whether `w` still holds what `e` released: the same storage, dtype and geometry. Returns ""
+// or what differs.
+std::string layout_mismatch(const at::Tensor& w, const Entry& e) {
+  if (!w.has_storage() || w.storage().unsafeGetStorageImpl() != e.storage.get()) {
+    return "it no longer holds the storage it was released with (its data was replaced after "
+           "the release, e.g. by `w.data = t`)";
+  }
+  if (w.scalar_type() != e.dtype || w.storage_offset() != 0 || w.sizes().vec() != e.sizes ||
+      w.strides().vec() != e.strides) {
+    std::ostringstream os;
+    os << "it was released as " << e.dtype << " of shape " << at::IntArrayRef(e.sizes)
+       << " but is now " << w.scalar_type() << " of shape " << w.sizes() << " at offset "
+       << w.storage_offset();
+    return os.str();
+  }
+  return "";
+}
+
+// A batch of restores that keeps going past a failing weight, then raises one error that names
+// every weight it could not restore (an OutOfMemoryError if every failure was one).
+class Failures {
+ public:
+  explicit Failures(const char* op) : op_(op) {}
+
+  template <typename F>
+  bool attempt(const std::string& name, F&& f) {
+    try {
+      f();
+      return true;
+    } catch (const c10::OutOfMemoryError& ex) {
+      add(name, ex.what_without_backtrace(), true);
+    } catch (const c10::Error& ex) {
+      add(name, ex.what_without_backtrace(), false);
+    } catch (const std::bad_alloc& ex) {
+      add(name, ex.what(), true);
+    }
+    return false;
+  }
+
+  void raise_if_any() const {
+    if (lines_.empty()) return;
+    std::ostringstream os;
+    os << op_ << ": " << lines_.size() << " weight" << (lines_.size() == 1 ? "" : "s")
+       << " could not be restored; each stays released with its cache entry and FP8 copy, and "
+          "can be restored again once the cause is fixed:";
+    for (const auto& l : lines_) os << "\n  - " << l;
+    if (all_oom_) TORCH_CHECK_WITH(OutOfMemoryError, false, os.str());
+    TORCH_CHECK(false, os.str());
+  }
+
+ private:
+  void add(const std::string& name, const std::string& why, bool oom) {
+    lines_.push_back("'" + name + "': " + why);
+    all_oom_ = all_oom_ && oom;
+  }
+  const char* op_;
+  std::vector<std::string> lines_;
+  bool all_oom_ = true;
+};
 
 class WeightCache {
  public:
@@ -118,36 +203,26 @@ class WeightCache {
       Entry& e = it->second;
       const bool same_recipe = e.recipe == recipe && e.elem_dtype == elem_dtype &&
                                e.scale_mode == scale_mode;
-      const bool fresh = e.frozen || (e.step == step_ && (e.released || e.version ==
-                                                          w.unsafeGetTensorImpl()
-                                                              ->version_counter()
-                                                              .current_version()));
+      // A released weight cannot have changed (every write to it raises), so its copy stays
+      // valid until it is restored, across steps too; unless its data was replaced.
+      const bool replaced = e.released && !layout_mismatch(w, e).empty();
+      const bool fresh =
+          e.released ? !replaced
+                     : e.step == step_ &&
+                           e.version == key->version_counter().current_version();
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
-        // Cached under no_grad (a reentrant checkpoint's forward) and now used for training
-        // (its recompute): release now. release=False stays an explicit choice for the step.
-        if (!e.released && release && e.status == kSkipNoGrad) {
-          const char* status = release_guard(w, release, release_frozen);
-          if (status == kReleased) {
-            release_storage(w, e.name);
-            e.released = true;
-            e.frozen = !w.requires_grad();
-            e.status = kReleased;
-          }
-        }
         return e.tensors;
       }
-      TORCH_CHECK(!e.released || same_recipe, op, ": weight '", e.name,
+      TORCH_CHECK(!e.released || replaced || same_recipe, op, ": weight '", e.name,
                   "' is released with recipe ", recipe_name(e.recipe), ", element dtype ",
                   e.elem_dtype, " and scale mode \"", e.scale_mode, "\" but was asked for \"",
                   recipe_str, "\", ", elem_dtype, ", \"", scale_mode,
-                  "\"; restore it first (zrw.ops.restore or the optimizer boundary)");
-      TORCH_CHECK(!e.released, op, ": weight '", e.name, "' was released in step ", e.step,
-                  " and never restored, but the cache is at step ", step_,
-                  ": next_step() ran without the optimizer boundary's restore_all() (use "
-                  "zrw.optim.attach, or call zrw.ops.restore_all() before next_step())");
-      table_.erase(it);  // stale: quantized in an earlier step or written since
+                  "\"; restore it first (zrw.cache.restore or the optimizer boundary)");
+      // Stale (quantized in an earlier step, written since, or its data replaced: the
+      // released storage is nobody's now).
+      table_.erase(it);
     }
 
     Entry e{WeakWeight(w.getIntrusivePtr())};
@@ -162,10 +237,15 @@ class WeightCache {
     e.version = key->version_counter().current_version();
     e.storage_nbytes = static_cast<int64_t>(w.storage().nbytes());
     e.status = release_guard(w, release, release_frozen);
+    if (e.status == kSkipNoGrad) {
+      // Inference or an eval pass: nothing releases and no step boundary follows, so nothing
+      // would ever refresh a cached copy (a write through `.data` bumps no version). Quantize
+      // the current values on every call instead.
+      ++skips_[e.status];
+      return e.tensors;
+    }
     if (e.status == kReleased) {
-      release_storage(w, e.name);
-      e.released = true;
-      e.frozen = !w.requires_grad();
+      release_storage_locked(w, e);
     } else {
       ++skips_[e.status];
     }
@@ -174,71 +254,174 @@ class WeightCache {
     return out;
   }
 
-  // Restores one weight; returns false if it was not released (a documented no-op).
-  bool restore(const at::Tensor& w, const std::string& fill_str) {
-    const Fill fill = parse_fill("zrw.restore", fill_str);
+  // Restores one released weight (DESIGN.md §8: a weight that is not released is an error).
+  void restore(const at::Tensor& w, const std::string& fill_str,
+               const std::optional<at::Tensor>& source) {
+    constexpr const char* op = "zrw.restore";
+    const Fill fill = parse_fill(op, fill_str);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
-    if (it == table_.end() || !it->second.released) return false;
-    restore_entry_locked(w, it->second, fill);
+    TORCH_CHECK_VALUE(it != table_.end(), op, ": this weight (", w.scalar_type(), ", shape ",
+                      w.sizes(), ") was never released: it has no cache entry, so there is "
+                      "nothing to restore");
+    Entry& e = it->second;
+    TORCH_CHECK_VALUE(e.released, op, ": weight '", e.name, "' is not released (it is cached, "
+                      "and kept its storage: ", e.status, "), so there is nothing to restore");
+    check_restorable(op, w, e);
+    fill_and_install_locked(op, e, fill, source);
     table_.erase(it);
-    return true;
   }
 
-  // The optimizer boundary: drop every FP8 entry of a trainable weight, restoring released
-  // storages. With "empty"/"zeros" the FP8 copies are freed before the BF16 bytes are
-  // allocated, so the boundary's peak is the smaller of the two; "dequant" needs each copy until
-  // its weight is filled. Frozen (release_frozen) entries survive. Returns the number restored.
-  int64_t restore_all(const std::string& fill_str) {
-    const Fill fill = parse_fill("zrw.restore_all", fill_str);
+  // The boundary of one optimizer: exactly these weights. Released ones are restored, the
+  // entries of the others dropped; frozen entries stay. Returns the number restored.
+  int64_t restore_weights(const std::vector<at::Tensor>& ws, const std::string& fill_str,
+                          const std::vector<std::optional<at::Tensor>>& sources) {
+    constexpr const char* op = "zrw.restore_weights";
+    const Fill fill = parse_fill(op, fill_str);
+    TORCH_CHECK_VALUE(sources.empty() || sources.size() == ws.size(), op,
+                      ": sources must be empty or have one entry per weight (", ws.size(),
+                      "), got ", sources.size());
     std::lock_guard<std::mutex> lock(mu_);
     sweep_locked();
-    std::vector<std::pair<at::Tensor, Entry>> to_restore;
+    Failures failures(op);
+    int64_t n = 0;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      auto it = table_.find(ws[i].unsafeGetTensorImpl());
+      if (it == table_.end() || it->second.frozen) continue;
+      Entry& e = it->second;
+      if (!e.released) {
+        table_.erase(it);
+        continue;
+      }
+      const auto& src = sources.empty() ? std::optional<at::Tensor>() : sources[i];
+      if (failures.attempt(e.name, [&] {
+            check_restorable(op, ws[i], e);
+            fill_and_install_locked(op, e, fill, src);
+          })) {
+        table_.erase(it);
+        ++n;
+      }
+    }
+    failures.raise_if_any();
+    return n;
+  }
+
+  // Every weight gets its source's values (w.copy_(source): rounded to w's dtype). A released
+  // one is restored from the source into fresh bytes; any other is written in place. Their
+  // entries are dropped; frozen released entries stay. Returns the number restored.
+  int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs) {
+    constexpr const char* op = "zrw.assign_weights";
+    TORCH_CHECK_VALUE(ws.size() == srcs.size(), op, ": weights and sources must have the same "
+                      "length, got ", ws.size(), " and ", srcs.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    sweep_locked();
+    Failures failures(op);
+    int64_t n = 0;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const at::Tensor& w = ws[i];
+      auto it = table_.find(w.unsafeGetTensorImpl());
+      Entry* e = it == table_.end() ? nullptr : &it->second;
+      if (e != nullptr && e->frozen) continue;
+      const std::string name = e != nullptr ? e->name : "<weight " + std::to_string(i) + ">";
+      bool restored = false;
+      const bool ok = failures.attempt(name, [&] {
+        TORCH_CHECK_VALUE(srcs[i].sizes() == w.sizes(), op, ": source ", i, " must have the "
+                          "weight's shape ", w.sizes(), ", got ", srcs[i].sizes());
+        if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
+          fill_and_install_locked(op, *e, Fill::Master, srcs[i]);
+          restored = true;
+        } else {
+          // Not released, or its data was replaced after the release: w holds live bytes.
+          at::NoGradGuard no_grad;
+          w.detach().copy_(srcs[i]);
+        }
+      });
+      if (ok) {
+        if (e != nullptr) table_.erase(it);
+        n += restored;
+      }
+    }
+    failures.raise_if_any();
+    return n;
+  }
+
+  // Every trainable weight: drop the FP8 entries, restore the released storages. Frozen
+  // (release_frozen) entries survive. Returns the number restored.
+  int64_t restore_all(const std::string& fill_str) {
+    constexpr const char* op = "zrw.restore_all";
+    const Fill fill = parse_fill(op, fill_str);
+    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" needs each weight's FP32 "
+                      "master: call zrw.cache.restore_all(\"master\"), which passes them");
+    std::lock_guard<std::mutex> lock(mu_);
+    sweep_locked();
+    Failures failures(op);
+    int64_t n = 0;
     for (auto it = table_.begin(); it != table_.end();) {
       Entry& e = it->second;
       if (e.frozen) {
         ++it;
         continue;
       }
+      bool drop = true;
       if (e.released) {
         auto strong = e.weight.lock();
-        if (strong) to_restore.emplace_back(at::Tensor(std::move(strong)), std::move(e));
+        if (strong) {
+          const at::Tensor w(std::move(strong));
+          drop = failures.attempt(e.name, [&] {
+            check_restorable(op, w, e);
+            fill_and_install_locked(op, e, fill, std::nullopt);
+          });
+          n += drop;
+        }
       }
-      it = table_.erase(it);
+      it = drop ? table_.erase(it) : std::next(it);
     }
-    if (fill != Fill::Dequant) {
-      for (auto& [w, e] : to_restore) e.tensors.clear();
-    }
-    for (auto& [w, e] : to_restore) {
-      restore_entry_locked(w, e, fill);
-      e.tensors.clear();
-    }
-    return static_cast<int64_t>(to_restore.size());
+    failures.raise_if_any();
+    return n;
   }
 
   // Drops one entry. A released weight is restored first (with `fill`; default "dequant", the
-  // only source left for a frozen weight), so the only copy is never dropped.
+  // only source left for a frozen weight), so the only copy is never dropped. A weight whose
+  // data was replaced after its release keeps the new data; the stale entry just goes.
   bool invalidate(const at::Tensor& w, const std::string& fill_str) {
-    const Fill fill = parse_fill("zrw.cache_invalidate", fill_str);
+    constexpr const char* op = "zrw.cache_invalidate";
+    const Fill fill = parse_fill(op, fill_str);
+    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" is handled by "
+                      "zrw.cache.cache_invalidate, which passes the master");
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
     if (it == table_.end()) return false;
-    if (it->second.released) restore_entry_locked(w, it->second, fill);
+    Entry& e = it->second;
+    if (e.released && w.has_storage() && w.storage().unsafeGetStorageImpl() == e.storage.get()) {
+      fill_and_install_locked(op, e, fill, std::nullopt);  // the recorded layout, not w's view
+    }
     table_.erase(it);
     return true;
   }
 
   void clear(const std::string& fill_str) {
-    const Fill fill = parse_fill("zrw.cache_clear", fill_str);
+    constexpr const char* op = "zrw.cache_clear";
+    const Fill fill = parse_fill(op, fill_str);
+    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" is handled by "
+                      "zrw.cache.cache_clear, which passes the masters");
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, e] : table_) {
-      if (!e.released) continue;
-      auto strong = e.weight.lock();
-      if (strong) restore_entry_locked(at::Tensor(std::move(strong)), e, fill);
+    Failures failures(op);
+    for (auto it = table_.begin(); it != table_.end();) {
+      Entry& e = it->second;
+      bool drop = true;
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> strong;
+      if (e.released) strong = e.weight.lock();
+      if (strong && strong->has_storage() &&
+          strong->storage().unsafeGetStorageImpl() == e.storage.get()) {
+        drop = failures.attempt(e.name, [&] {
+          fill_and_install_locked(op, e, fill, std::nullopt);
+        });
+      }
+      it = drop ? table_.erase(it) : std::next(it);
     }
-    table_.clear();
     hits_ = misses_ = 0;
     skips_.clear();
+    failures.raise_if_any();
   }
 
   void next_step() {
@@ -292,15 +475,27 @@ class WeightCache {
   // 0: never seen, 1: cached, 2: cached and released, 3: released for good (frozen).
   int64_t state(const at::Tensor& w) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = table_.find(w.unsafeGetTensorImpl());
-    if (it == table_.end()) return 0;
-    if (!it->second.released) return 1;
-    return it->second.frozen ? 3 : 2;
+    return state_locked(w);
+  }
+
+  std::vector<int64_t> states(const std::vector<at::Tensor>& ws) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    out.reserve(ws.size());
+    for (const auto& w : ws) out.push_back(state_locked(w));
+    return out;
   }
 
  private:
   static const char* recipe_name(Recipe r) {
     return r == Recipe::MXFP8 ? "\"mxfp8\"" : "\"mxfp8-32x32\"";
+  }
+
+  int64_t state_locked(const at::Tensor& w) const {
+    auto it = table_.find(w.unsafeGetTensorImpl());
+    if (it == table_.end()) return 0;
+    if (!it->second.released) return 1;
+    return it->second.frozen ? 3 : 2;
   }
 
   // Drops entries whose weight died (the weak reference expired); their FP8 tensors go too.
@@ -312,19 +507,6 @@ class WeightCache {
         ++it;
       }
     }
-  }
-
-  // A block scale (.., NB, KB) -> the per-axis scale (.., N, KB) (along_rows: each tile row
-  // repeated 32 times, cut to n rows) or (.., NB, K) (columns, cut to n).
-  static at::Tensor expand_tiles(const at::Tensor& b8, bool along_rows, int64_t n) {
-    const int64_t d = b8.dim();
-    auto e = b8.unsqueeze(along_rows ? d - 1 : d);
-    auto sizes = e.sizes().vec();
-    sizes[along_rows ? d - 1 : d] = 32;
-    auto flat = b8.sizes().vec();
-    flat[along_rows ? d - 2 : d - 1] *= 32;
-    return e.expand(sizes).reshape(flat).narrow(along_rows ? d - 2 : d - 1, 0, n).clone(
-        at::MemoryFormat::Contiguous);
   }
 
   static std::vector<at::Tensor> quantize(const at::Tensor& w, Recipe recipe,
@@ -347,11 +529,8 @@ class WeightCache {
     auto [data, block] = op.call(w, elem_dtype, scale_mode);
     // The per-axis scales the GEMMs read, expanded once here instead of on every hit.
     const int64_t N = w.size(-2), K = w.size(-1);
-    // expand + reshape + clone: one copy each, and the clone (unlike contiguous() of a
-    // narrowed row range) never keeps the padding rows of the last tile alive.
-    auto b8 = block.view(at::kByte);
-    auto scale_fwd = expand_tiles(b8, /*along_rows=*/true, N).view(at::kFloat8_e8m0fnu);
-    auto scale_bwd = expand_tiles(b8, /*along_rows=*/false, K).view(at::kFloat8_e8m0fnu);
+    auto scale_fwd = mx::mx_expand_block_scale(block, N, K, -1);
+    auto scale_bwd = mx::mx_expand_block_scale(block, N, K, -2);
     return {data, scale_fwd, data, scale_bwd, block};
   }
 
@@ -377,43 +556,72 @@ class WeightCache {
     return kReleased;
   }
 
-  static void release_storage(const at::Tensor& w, const std::string& name) {
+  static void release_storage_locked(const at::Tensor& w, Entry& e) {
     c10::StorageImpl* s = w.storage().unsafeGetStorageImpl();
+    e.storage = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
+    e.dtype = w.scalar_type();
+    e.sizes = w.sizes().vec();
+    e.strides = w.strides().vec();
+    e.released = true;
+    e.frozen = !w.requires_grad();
     s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));  // frees the bytes
     // nbytes keeps the logical size on purpose: with 0, creating any view of the weight (print,
     // F.linear's transpose) fails on a storage-size check before the data pointer is touched,
     // with a message that says nothing about zrw. The bytes are gone all the same: zrw.memory
     // and cache_stats()["released_bytes"] account for them.
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(
-        "zrw: the BF16 storage of weight '" + name +
+        "zrw: the BF16 storage of weight '" + e.name +
         "' is released (zero-redundancy weights: only its MXFP8 copy lives between the first "
         "forward of a step and the optimizer step). It holds no data now; read it after the "
         "optimizer boundary (zrw.optim.attach) restores it, or restore it explicitly with "
-        "zrw.ops.restore(w, fill=\"master\") (exact, with zrw.optim.MasterWeights) or "
+        "zrw.cache.restore(w, fill=\"master\") (exact, with zrw.optim.MasterWeights) or "
         "fill=\"dequant\" (lossy), or run this code under zrw.no_release()");
   }
 
-  static void restore_entry_locked(const at::Tensor& w, const Entry& e, Fill fill) {
-    c10::StorageImpl* s = w.storage().unsafeGetStorageImpl();
-    s->clear_data_ptr_access_error_msg_();
+  static void check_restorable(const char* op, const at::Tensor& w, const Entry& e) {
+    const std::string why = layout_mismatch(w, e);
+    TORCH_CHECK(why.empty(), op, ": weight '", e.name, "' cannot be restored: ", why,
+                ". zrw writes a released weight back only into the storage and layout it was "
+                "released with; nothing was written. The weight stays released with its FP8 "
+                "copy; zrw.cache.cache_invalidate(w) drops that copy (restoring the released "
+                "bytes by dequantization if the weight still holds its storage)");
+  }
+
+  // Allocates the released bytes, fills them, and only then installs them and clears the
+  // poison: an exception anywhere before the last two lines changes nothing (the DataPtr frees
+  // the new bytes). The fill uses the geometry recorded at release, never the weight's view.
+  static void fill_and_install_locked(const char* op, const Entry& e, Fill fill,
+                                      const std::optional<at::Tensor>& source) {
+    TORCH_CHECK_VALUE(fill != Fill::Master || (source.has_value() && source->defined()), op,
+                      ": fill \"master\" of weight '", e.name, "' needs its master (source)");
+    c10::StorageImpl* s = e.storage.get();
     c10::Allocator* alloc = s->allocator();
     if (alloc == nullptr) alloc = c10::GetAllocator(s->device_type());
-    s->set_data_ptr_noswap(alloc->allocate(e.storage_nbytes));
-    if (fill == Fill::Empty) return;
-    at::NoGradGuard no_grad;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor target = w.detach();
-    if (fill == Fill::Zeros) {
-      target.zero_();
-      return;
+    at::DataPtr bytes = alloc->allocate(e.storage_nbytes);
+    if (fill != Fill::Empty) {
+      at::NoGradGuard no_grad;
+      at::AutoDispatchBelowADInplaceOrView guard;
+      at::Tensor target = at::from_blob(bytes.get(), e.sizes, e.strides,
+                                        at::TensorOptions().dtype(e.dtype).device(s->device()));
+      if (fill == Fill::Zeros) {
+        target.zero_();
+      } else if (fill == Fill::Master) {
+        TORCH_CHECK_VALUE(source->sizes() == target.sizes(), op, ": the master of weight '",
+                          e.name, "' must have its shape ", target.sizes(), ", got ",
+                          source->sizes());
+        target.copy_(*source);
+      } else {
+        TORCH_CHECK(!e.tensors.empty(), op, ": cannot restore weight '", e.name,
+                    "' by dequantization: its FP8 copy is gone");
+        static auto deq = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("zrw::mx_dequantize", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                                at::ScalarType)>();
+        target.copy_(deq.call(e.tensors[0], e.tensors[1], -1, e.dtype));
+      }
     }
-    TORCH_CHECK(!e.tensors.empty(), "zrw: cannot restore weight '", e.name,
-                "' by dequantization: its FP8 copy is gone");
-    static auto deq = c10::Dispatcher::singleton()
-                          .findSchemaOrThrow("zrw::mx_dequantize", "")
-                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                            at::ScalarType)>();
-    target.copy_(deq.call(e.tensors[0], e.tensors[1], -1, w.scalar_type()));
+    s->set_data_ptr_noswap(std::move(bytes));
+    s->clear_data_ptr_access_error_msg_();
   }
 
   std::mutex mu_;
@@ -431,8 +639,19 @@ std::vector<at::Tensor> quant_and_release(const at::Tensor& w, c10::string_view 
                                               std::string(name));
 }
 
-bool restore(const at::Tensor& w, c10::string_view fill) {
-  return WeightCache::get().restore(w, std::string(fill));
+void restore(const at::Tensor& w, c10::string_view fill,
+             const std::optional<at::Tensor>& source) {
+  WeightCache::get().restore(w, std::string(fill), source);
+}
+
+int64_t restore_weights(at::TensorList weights, c10::string_view fill,
+                        const c10::List<std::optional<at::Tensor>>& sources) {
+  std::vector<std::optional<at::Tensor>> srcs(sources.begin(), sources.end());
+  return WeightCache::get().restore_weights(weights.vec(), std::string(fill), srcs);
+}
+
+int64_t assign_weights(at::TensorList weights, at::TensorList sources) {
+  return WeightCache::get().assign_weights(weights.vec(), sources.vec());
 }
 
 int64_t restore_all(c10::string_view fill) {
@@ -459,24 +678,27 @@ cache_entries() {
 
 int64_t cache_state(const at::Tensor& w) { return WeightCache::get().state(w); }
 
+std::vector<int64_t> cache_states(at::TensorList weights) {
+  return WeightCache::get().states(weights.vec());
+}
+
 }  // namespace
 
 // Tensor ops dispatch on their weight. They are registered for Autograd too, so that autograd
 // attaches no history to the FP8 outputs (they are not differentiable; the training layers own
 // the gradient formulas). The table-wide ops take no tensor.
-TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) {
-  m.impl("quant_and_release", &quant_and_release);
-  m.impl("restore", &restore);
-  m.impl("cache_invalidate", &cache_invalidate);
-  m.impl("cache_state", &cache_state);
-}
+#define ZRW_CACHE_TENSOR_OPS(m)                     \
+  m.impl("quant_and_release", &quant_and_release);  \
+  m.impl("restore", &restore);                      \
+  m.impl("restore_weights", &restore_weights);      \
+  m.impl("assign_weights", &assign_weights);        \
+  m.impl("cache_invalidate", &cache_invalidate);    \
+  m.impl("cache_state", &cache_state);              \
+  m.impl("cache_states", &cache_states)
 
-TORCH_LIBRARY_IMPL(zrw, Autograd, m) {
-  m.impl("quant_and_release", &quant_and_release);
-  m.impl("restore", &restore);
-  m.impl("cache_invalidate", &cache_invalidate);
-  m.impl("cache_state", &cache_state);
-}
+TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) { ZRW_CACHE_TENSOR_OPS(m); }
+
+TORCH_LIBRARY_IMPL(zrw, Autograd, m) { ZRW_CACHE_TENSOR_OPS(m); }
 
 TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) {
   m.impl("restore_all", &restore_all);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "mx_format.h"
+#include "names.h"
 
 namespace zrw::checks {
 
@@ -15,11 +16,12 @@ inline bool is_fp8_elem(at::ScalarType t) {
   return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
+// "floor" / "rceil" (names::kScaleModes, in the order of mx::ScaleMode).
 inline mx::ScaleMode parse_scale_mode(const char* op, const std::string& scale_mode) {
-  if (scale_mode == "floor") return mx::ScaleMode::Floor;
-  if (scale_mode == "rceil") return mx::ScaleMode::RCeil;
-  TORCH_CHECK_VALUE(false, op, ": scale_mode must be \"floor\" or \"rceil\", got \"", scale_mode,
-                    "\"");
+  if (scale_mode == names::kScaleModes[0]) return mx::ScaleMode::Floor;
+  if (scale_mode == names::kScaleModes[1]) return mx::ScaleMode::RCeil;
+  TORCH_CHECK_VALUE(false, op, ": scale_mode must be \"", names::kScaleModes[0], "\" or \"",
+                    names::kScaleModes[1], "\", got \"", scale_mode, "\"");
 }
 
 inline void check_elem_dtype(const char* op, const char* arg, at::ScalarType t) {

@@ -19,6 +19,7 @@ class CountingAllocator final : public c10::Allocator {
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
 
   c10::DataPtr allocate(size_t n) override {
+    maybe_inject_failure(n);
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
     const c10::Device device = inner.device();
@@ -49,6 +50,15 @@ class CountingAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
 
+  // Fault injection for tests: the next `count` allocations of at least `min_bytes` fail with
+  // an OutOfMemoryError, as a real out-of-memory would.
+  void fail_next(int64_t min_bytes, int64_t count) {
+    fail_min_bytes_.store(min_bytes);
+    fail_count_.store(count);
+  }
+
+  int64_t pending_failures() const { return fail_count_.load(); }
+
   static void free_block(void* ptr);
 
  private:
@@ -57,7 +67,19 @@ class CountingAllocator final : public c10::Allocator {
     c10::DeleterFnPtr base_deleter;
   };
 
+  void maybe_inject_failure(size_t n) {
+    if (fail_count_.load() <= 0 || static_cast<int64_t>(n) < fail_min_bytes_.load()) return;
+    if (fail_count_.fetch_sub(1) <= 0) {  // another thread took the last one
+      fail_count_.fetch_add(1);
+      return;
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.memory: injected allocation failure (",
+                     n, " bytes; zrw.memory.fail_allocations)");
+  }
+
   c10::Allocator* base_;
+  std::atomic<int64_t> fail_min_bytes_{0};
+  std::atomic<int64_t> fail_count_{0};
   std::mutex mu_;
   std::unordered_map<void*, Block> live_;
   std::atomic<int64_t> current_{0};
@@ -98,5 +120,10 @@ int64_t peak_bytes() { return g_allocator ? g_allocator->peak() : 0; }
 void reset_peak() {
   if (g_allocator) g_allocator->reset_peak();
 }
+void fail_next(int64_t min_bytes, int64_t count) {
+  TORCH_CHECK(g_allocator != nullptr, "zrw.memory: install() the counting allocator first");
+  g_allocator->fail_next(min_bytes, count);
+}
+int64_t pending_failures() { return g_allocator ? g_allocator->pending_failures() : 0; }
 
 }  // namespace zrw::memory

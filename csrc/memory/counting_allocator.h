@@ -13,5 +13,8 @@ bool installed();
 int64_t current_bytes();
 int64_t peak_bytes();
 void reset_peak();
+// Fault injection (tests): the next `count` allocations of >= min_bytes raise OutOfMemoryError.
+void fail_next(int64_t min_bytes, int64_t count);
+int64_t pending_failures();
 
 }  // namespace zrw::memory

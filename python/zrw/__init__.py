@@ -16,9 +16,12 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     ) from e
 
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTensor)
-from . import config, ops, reference  # noqa: E402,F401
+from . import _autograd  # noqa: E402,F401  (the MX ops refuse inputs that require grad)
+from . import config, ops, planes, reference  # noqa: E402,F401
+from . import cache  # noqa: E402,F401
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
-from .ops import MXWeight, no_release  # noqa: E402,F401
+from .planes import MXWeight  # noqa: E402,F401
+from .cache import no_release  # noqa: E402,F401
 from . import memory, nn, optim  # noqa: E402,F401
 from .nn import convert  # noqa: E402,F401
 from .backends import backends  # noqa: E402,F401

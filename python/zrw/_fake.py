@@ -160,6 +160,27 @@ def _(a, a_scale, b, b_scale, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+@torch.library.register_fake("zrw::mx_expand_block_scale")
+def _mx_expand_block_scale_fake(block_scale, n, k, dim):
+    op = "zrw.mx_expand_block_scale"
+    if block_scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"{op}: block_scale must be torch.float8_e8m0fnu, got {block_scale.dtype}")
+    nd = block_scale.dim()
+    if nd not in (2, 3) or n <= 0 or k <= 0 or tuple(block_scale.shape[-2:]) != (
+            _ceil_div(n, BLOCK), _ceil_div(k, BLOCK)):
+        raise ValueError(f"{op}: block_scale of a weight with N={n}, K={k} must end in "
+                         f"({_ceil_div(n, BLOCK)}, {_ceil_div(k, BLOCK)}), got shape "
+                         f"{tuple(block_scale.shape)}")
+    if dim in (-1, nd - 1):
+        shape = (*block_scale.shape[:-2], n, block_scale.shape[-1])
+    elif dim in (-2, nd - 2):
+        shape = (*block_scale.shape[:-1], k)
+    else:
+        raise IndexError(f"{op}: dim must be -1 (the forward scale, blocks along K) or -2 (the "
+                         f"backward scale, blocks along N), got {dim}")
+    return block_scale.new_empty(shape)
+
+
 @torch.library.register_fake("zrw::quant_and_release")
 def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name):
     nd = w.dim()
@@ -186,12 +207,13 @@ def _eager_only(name: str):
         raise RuntimeError(
             f"zrw.{name} is a stateful, eager-only op (the native weight cache): it cannot run on "
             "fake or meta tensors or inside a compiled graph; zrw.ops wraps it with "
-            "torch._dynamo.disable, so call it through zrw.ops")
+            "torch._dynamo.disable, so call it through zrw.cache")
 
     return fake
 
 
 # The cache ops that take a weight: no meaningful fake exists (their effect is on the weight's
 # storage and the process-wide table), so the fake says so instead of pretending.
-for _name in ("restore", "cache_invalidate", "cache_state"):
+for _name in ("restore", "restore_weights", "assign_weights", "cache_invalidate", "cache_state",
+              "cache_states"):
     torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))

@@ -125,7 +125,7 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
 
     def mark(label: str) -> None:
         if recording["on"]:
-            st = ops.cache_stats()
+            st = cache.cache_stats()
             timeline.append((label, memory.current(), st["fp8_bytes"], st["released_bytes"]))
 
     # Read the window peak before zrw's boundary hook restores anything (hooks run in
@@ -133,7 +133,7 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
     def window_end(o, args, kwargs):
         marks["window_peak"] = memory.peak()
         mark("optimizer pre-hook")
-        stats = ops.cache_stats()
+        stats = cache.cache_stats()
         marks["released"] = stats["released_bytes"]
 
     opt.register_step_pre_hook(window_end)
@@ -185,7 +185,7 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
     with torch.no_grad():
         res.final_weights_digest = float(sum(p.double().sum() for p in model.parameters()))
     del model, opt
-    ops.cache_clear()
+    cache.cache_clear()
     return res
 
 

@@ -38,6 +38,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from . import ops
+from . import planes
+from . import cache
 from .config import get_recipe
 
 __all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "count_all_gather_bytes",
@@ -141,7 +143,7 @@ class PreQuantWeight(torch.Tensor):
 
     def _quantized_shard(self, param_dtype: torch.dtype) -> List[Tensor]:
         """The shard's MX planes, quantized once per optimizer step (zrw's step counter)."""
-        step = ops.cache_stats()["step"]
+        step = cache.cache_stats()["step"]
         cached = self._zrw_planes
         if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
             return cached[2]
@@ -316,7 +318,7 @@ class MXGatheredWeight(torch.Tensor):
         return (f"MXGatheredWeight({self._zrw_name!r}, {tuple(self.shape)}, "
                 f"recipe={self._zrw_recipe}, gathered={self._zrw_state['phase']})")
 
-    def mx_weight(self, need: str) -> ops.MXWeight:
+    def mx_weight(self, need: str) -> planes.MXWeight:
         """The planes as an MXWeight; `need` is "fwd" or "bwd", the plane the caller reads."""
         p = self._zrw_state["planes"]
         if p.get(f"{need}_data") is None:
@@ -325,8 +327,8 @@ class MXGatheredWeight(torch.Tensor):
                 f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
                 "zrw.fsdp.prepare(model, both_planes=True)")
-        return ops.MXWeight(self._zrw_recipe, ops.MXPlane(p["fwd_data"], p["fwd_scale"]),
-                            ops.MXPlane(p["bwd_data"], p["bwd_scale"]))
+        return planes.MXWeight(self._zrw_recipe, planes.MXPlane(p["fwd_data"], p["fwd_scale"]),
+                            planes.MXPlane(p["bwd_data"], p["bwd_scale"]))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

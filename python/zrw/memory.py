@@ -60,3 +60,24 @@ def window() -> Iterator[dict]:
     finally:
         out["end"] = current()
         out["peak"] = peak()
+
+
+@contextlib.contextmanager
+def fail_allocations(min_bytes: int = 0, count: int = 1) -> Iterator[None]:
+    """Fault injection for tests: within the block, the next `count` CPU allocations of at
+    least `min_bytes` raise torch.OutOfMemoryError, as a real out-of-memory would. Only
+    tensors whose storage was allocated after install() use the counting allocator."""
+    _require()
+    if count < 0 or min_bytes < 0:
+        raise ValueError(f"zrw.memory.fail_allocations: min_bytes and count must be >= 0, got "
+                         f"{min_bytes} and {count}")
+    _C.memory_fail_next(int(min_bytes), int(count))
+    try:
+        yield
+    finally:
+        _C.memory_fail_next(0, 0)
+
+
+def pending_failures() -> int:
+    """Injected allocation failures that have not happened yet."""
+    return _C.memory_pending_failures() if _C.memory_installed() else 0

@@ -1,74 +1,211 @@
 """The optimizer boundary of zero-redundancy weights (DESIGN.md §5).
 
-`attach(optimizer)` installs a step pre-hook (free the FP8 entries, then restore every released
-BF16 storage) and a step post-hook (`next_step`: the next use re-quantizes the new weights).
+`MasterWeights(optimizer_cls, params, **kw)` is a torch.optim.Optimizer with FP32 masters (the
+scheme of Megatron's mixed-precision optimizer): it steps any plain torch optimizer on the
+masters and writes every master back into its parameter. The write-back restores a released
+weight straight from its master, filling its bytes before the release poison is cleared, so a
+MasterWeights step needs no restore before it and never exposes uninitialized memory. Its param
+groups carry the hyper-parameters (LR schedulers, manual changes and `add_param_group` work
+as with any optimizer).
 
-`MasterWeights(optimizer_cls, params, **kw)` keeps FP32 masters of the (BF16) parameters — the
-scheme of Megatron's mixed-precision optimizer — steps any plain torch optimizer on them and
-writes every parameter back from its master. With it the restore can be "empty": the optimizer
-overwrites every restored weight, including those that got no gradient this step.
+`attach(optimizer)` installs the boundary on any optimizer: before `step()` the boundary
+callbacks run (zrw.fsdp drops its shard caches there) and, for an optimizer that steps the
+parameters themselves, exactly the parameters it owns are restored with `fill`; a closure
+passed to `step()` runs under zrw.no_release(); after `step()`, `next_step()`.
+
+Every optimizer in the process is guarded: one that would step a released weight without a
+zrw boundary raises before it touches its state.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
-from . import ops
+from . import cache
 
 _HOOKS_ATTR = "_zrw_boundary_hooks"
 
+_boundary_callbacks: Dict[int, Callable[[torch.optim.Optimizer], None]] = {}
+
+
+def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
+    """Call `fn(optimizer)` at every zrw optimizer boundary, before the step (and before any
+    restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
+    `remove()` unregisters it."""
+    if not callable(fn):
+        raise TypeError(f"zrw.optim.register_boundary_callback: fn must be callable, got "
+                        f"{type(fn).__name__}")
+    handle = RemovableHandle(_boundary_callbacks)
+    _boundary_callbacks[handle.id] = fn
+    return handle
+
+
+def _run_boundary_callbacks(optimizer: torch.optim.Optimizer) -> None:
+    for fn in list(_boundary_callbacks.values()):
+        fn(optimizer)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _as_group_list(params: Any) -> List[Dict[str, Any]]:
+    """`params` as torch.optim.Optimizer accepts them, as a list of group dicts."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("MasterWeights: params must be an iterable of tensors or of param-group "
+                        f"dicts, got a single {type(params).__name__}")
+    groups = list(params)
+    if not groups:
+        raise ValueError("MasterWeights: got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g in groups:
+        g = dict(g)
+        ps = g["params"]
+        g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        out.append(g)
+    return out
+
+
+def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
 
 class MasterWeights(torch.optim.Optimizer):
-    """Wraps `optimizer_cls` with FP32 master weights.
+    """A torch optimizer over (BF16) parameters that steps FP32 masters of them.
 
-    `params` are the model's (BF16) parameters or param groups, as for any optimizer. The inner
-    optimizer (`self.inner`, an `optimizer_cls`) steps FP32 copies; each step copies the gradients
-    (`p.grad`, or `p.main_grad` when a layer accumulates one in FP32) into the masters, steps, and
-    writes every master back into its parameter — also those that got no gradient, so that an
-    "empty" restore never leaves garbage behind. Masters are registered with zrw so that
-    `zrw.ops.restore(w, fill="master")` restores a released weight exactly mid-step.
+    `params` are the model's parameters or param groups, as for any optimizer; `optimizer_cls`
+    and `kwargs` build the inner optimizer (`self.inner`) over the FP32 masters
+    (`self.masters`, one list per group). Each step copies the gradients (`p.grad`, or
+    `p.main_grad` when a layer accumulates one in FP32) into the masters, steps the inner
+    optimizer, and writes every master back into its parameter — also those that got no
+    gradient (an MoE expert no token chose), so every restored weight holds its value. The
+    write-back restores a released weight directly from its master (zrw.cache.assign_weights),
+    so MasterWeights is its own zero-redundancy boundary for restores; `zrw.optim.attach` adds
+    `next_step` and the boundary callbacks.
+
+    The param groups carry the inner optimizer's hyper-parameters and are the ones to change:
+    LR schedulers, manual `param_groups[i]["lr"] = ...` and `add_param_group` reach the inner
+    optimizer at the next step. `step(closure)` works with every inner optimizer, LBFGS
+    included (the closure sees the parameters written from the masters it is evaluated at).
+    `state_dict`/`load_state_dict` hold the masters and the inner state; a load that fails
+    changes nothing. Masters are registered with zrw so that `zrw.cache.restore(w, "master")`
+    restores a released weight exactly mid-step.
     """
 
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], params: Iterable,
                  **kwargs: Any):
-        super().__init__(params, {})
+        if not callable(optimizer_cls):
+            raise TypeError(f"MasterWeights: optimizer_cls must be an optimizer class, got "
+                            f"{optimizer_cls!r}")
+        groups = _as_group_list(params)
         self.optimizer_cls = optimizer_cls
         self.masters: List[List[torch.Tensor]] = []
+        self._ready = False
         inner_groups = []
-        for group in self.param_groups:
-            masters = []
-            for p in group["params"]:
-                if not p.is_floating_point():
-                    raise TypeError(f"MasterWeights: parameters must be floating point, got "
-                                    f"{p.dtype} (shape {tuple(p.shape)})")
-                m = p.detach().to(torch.float32, copy=True)
-                masters.append(m)
-                ops.register_master(p, m)
-            self.masters.append(masters)
-            g = {k: v for k, v in group.items() if k != "params"}
-            g["params"] = masters
-            inner_groups.append(g)
+        for g in groups:
+            masters = self._make_masters(g["params"])
+            inner_groups.append({**_hyper(g), "params": masters})
         self.inner = optimizer_cls(inner_groups, **kwargs)
+        # The outer groups take the inner optimizer's defaults (lr, betas, ...), so that what a
+        # scheduler reads and writes is there; their params are the model's.
+        super().__init__(groups, dict(self.inner.defaults))
+        for masters in (ig["params"] for ig in self.inner.param_groups):
+            self.masters.append(masters)
+        self._pull_hyperparameters()
+        self._register_masters()
+        self._ready = True
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    @staticmethod
+    def _make_masters(params: List[torch.Tensor]) -> List[torch.Tensor]:
+        masters = []
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"MasterWeights: params[{i}] must be a tensor, got "
+                                f"{type(p).__name__}")
+            if not p.is_floating_point():
+                raise TypeError(f"MasterWeights: parameters must be floating point, got "
+                                f"{p.dtype} (params[{i}], shape {tuple(p.shape)})")
+            masters.append(p.detach().to(torch.float32, copy=True))
+        return masters
+
+    def _register_masters(self, start: int = 0) -> None:
+        for group, masters in zip(self.param_groups[start:], self.masters[start:]):
+            for p, m in zip(group["params"], masters):
+                cache.register_master(p, m)
+
+    def _pull_hyperparameters(self) -> None:
+        """inner -> outer: the hyper-parameters the inner optimizer filled in."""
+        for og, ig in zip(self.param_groups, self.inner.param_groups):
+            for k, v in _hyper(ig).items():
+                og[k] = v
+
+    def _push_hyperparameters(self) -> None:
+        """outer -> inner: what a scheduler or the user changed since the last step."""
+        for og, ig in zip(self.param_groups, self.inner.param_groups):
+            for k, v in _hyper(og).items():
+                ig[k] = v
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # validates, fills the defaults, no duplicates
+        if not self._ready:
+            return  # __init__: the inner optimizer already has this group
+        group = self.param_groups[-1]
+        try:
+            masters = self._make_masters(group["params"])
+            self.inner.add_param_group({**_hyper(group), "params": masters})
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self.masters.append(self.inner.param_groups[-1]["params"])
+        self._pull_hyperparameters()
+        self._register_masters(len(self.param_groups) - 1)
+
+    def _grads_to_masters(self) -> None:
         for group, masters in zip(self.param_groups, self.masters):
             for p, m in zip(group["params"], masters):
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
                 m.grad = None if g is None else g.to(torch.float32)
-        self.inner.step()
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                p.copy_(m)  # every parameter: a restored storage must get its values back
-                m.grad = None
-        return loss
+
+    def _write_back(self) -> None:
+        """Every parameter gets bf16(master): released ones are restored from their master."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        masters = [m for ms in self.masters for m in ms]
+        cache.assign_weights(params, masters)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        self._push_hyperparameters()
+        try:
+            if closure is None:
+                self._grads_to_masters()
+                return self.inner.step()
+            evaluations = 0
+
+            def inner_closure():
+                nonlocal evaluations
+                if evaluations:  # the inner optimizer moved the masters since the last call
+                    self._write_back()
+                evaluations += 1
+                with torch.enable_grad():
+                    loss = closure()
+                self._grads_to_masters()
+                return loss
+
+            return self.inner.step(inner_closure)
+        finally:
+            # Also after an exception: every parameter holds bf16 of its (possibly partly
+            # stepped) master, never uninitialized memory.
+            self._write_back()
+            for masters in self.masters:
+                for m in masters:
+                    m.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -82,73 +219,112 @@ class MasterWeights(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
+        self._push_hyperparameters()
         return {
             "inner": self.inner.state_dict(),
             "masters": [[m.clone() for m in ms] for ms in self.masters],
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        saved = state_dict["masters"]
-        if [len(ms) for ms in saved] != [len(ms) for ms in self.masters]:
-            raise ValueError(
-                "MasterWeights.load_state_dict: masters per group must be "
-                f"{[len(ms) for ms in self.masters]}, got {[len(ms) for ms in saved]}")
+        """Loads masters, inner state and hyper-parameters together: everything is checked
+        before anything changes, so a load that fails leaves the optimizer as it was."""
+        op = "MasterWeights.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"inner", "masters"} <= set(state_dict):
+            raise ValueError(f"{op}: expected a dict with 'inner' and 'masters' (from "
+                             f"MasterWeights.state_dict), got "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+        saved, inner_sd = state_dict["masters"], state_dict["inner"]
+        ours = [len(ms) for ms in self.masters]
+        if [len(ms) for ms in saved] != ours:
+            raise ValueError(f"{op}: masters per group must be {ours}, got "
+                             f"{[len(ms) for ms in saved]}")
+        for gi, (ms, ss) in enumerate(zip(self.masters, saved)):
+            for pi, (m, s) in enumerate(zip(ms, ss)):
+                if not isinstance(s, torch.Tensor) or m.shape != s.shape:
+                    found = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+                    raise ValueError(f"{op}: master {pi} of group {gi} has shape "
+                                     f"{tuple(m.shape)}, got a saved tensor of shape {found}")
+        inner_groups = inner_sd.get("param_groups") if isinstance(inner_sd, dict) else None
+        if (not isinstance(inner_groups, list)
+                or [len(g.get("params", ())) for g in inner_groups] != ours):
+            raise ValueError(f"{op}: the inner optimizer's state must have {ours} parameters "
+                             "per group, like the masters")
+        # torch's load_state_dict checks the same structure before it changes anything, then
+        # swaps its state in at once; the masters are copied only after it succeeded.
+        self.inner.load_state_dict(inner_sd)
         with torch.no_grad():
             for ms, ss in zip(self.masters, saved):
                 for m, s in zip(ms, ss):
-                    if m.shape != s.shape:
-                        raise ValueError(f"MasterWeights.load_state_dict: master of shape "
-                                         f"{tuple(m.shape)} got a saved tensor of shape "
-                                         f"{tuple(s.shape)}")
                     m.copy_(s)
-        self.inner.load_state_dict(state_dict["inner"])
+        self._pull_hyperparameters()
+
+
+def _wrap_closure(args, kwargs):
+    """The step's closure, run under zrw.no_release(): it re-evaluates the model inside
+    step(), where a released weight could not be written by the optimizer. (A step hook's
+    args start with the optimizer itself: step is wrapped unbound.)"""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def no_release_closure():
+        with cache.no_release():
+            return closure()
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": no_release_closure}
+    return (args[0], no_release_closure, *args[2:]), kwargs
 
 
 def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torch.optim.Optimizer:
     """Install the zero-redundancy boundary on `optimizer`; returns it.
 
-    Before `step()`: free every FP8 entry, then restore every released BF16 storage with `fill`.
-    After `step()`: `next_step()`. `fill` defaults to "empty" for MasterWeights (it overwrites
-    every parameter). An optimizer that steps the parameters themselves needs their values:
-    "empty"/"zeros" would destroy the weights and are refused; pass fill="dequant" (the restored
+    Before `step()`: the boundary callbacks; then, for an optimizer that steps the parameters
+    themselves, exactly the parameters it owns are restored with `fill` and their FP8 entries
+    dropped (weights of other optimizers keep theirs). After `step()`: `next_step()`. A closure
+    passed to `step()` runs under zrw.no_release().
+
+    MasterWeights restores its released parameters from their masters when it writes them
+    back, so `fill` is "master" (or None) for it. Any other optimizer needs the weights' values:
+    "empty"/"zeros" would destroy them and are refused; pass fill="dequant" (the restored
     weight is the dequantized FP8 copy: every step then loses the precision below FP8's 3
     mantissa bits) or, better, wrap it in MasterWeights.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zrw.optim.attach: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if fill is not None and fill not in cache.FILLS:
+        raise ValueError(f"zrw.optim.attach: fill must be one of {cache.FILLS}, got {fill!r}")
     masters = isinstance(optimizer, MasterWeights)
-    if fill is None:
-        fill = "empty" if masters else None
-    if fill is None or (not masters and fill in ("empty", "zeros")):
+    if masters and fill not in (None, "master", "empty"):
+        raise ValueError(
+            f"zrw.optim.attach: MasterWeights restores released weights from their FP32 masters "
+            f"(exact); fill={fill!r} would be overwritten at once: pass fill=None or 'master'")
+    if not masters and fill in (None, "empty", "zeros", "master"):
+        what = {None: "uninitialized memory", "empty": "uninitialized memory",
+                "zeros": "zeros", "master": "a master it does not keep"}[fill]
         raise ValueError(
             f"zrw.optim.attach: {type(optimizer).__name__} steps the parameters themselves, so "
-            f"restoring released weights with fill={fill!r} would hand it "
-            f"{'uninitialized memory' if fill in (None, 'empty') else 'zeros'} instead of the "
+            f"restoring released weights with fill={fill!r} would hand it {what} instead of the "
             "weights. Wrap it in zrw.optim.MasterWeights(optimizer_cls, params, ...) (FP32 "
             "masters; exact), or pass fill='dequant' (the weights become their FP8 copies "
             "each step: lossy)")
-    if fill not in ops.FILLS:
-        raise ValueError(f"zrw.optim.attach: fill must be one of {ops.FILLS}, got {fill!r}")
     if getattr(optimizer, _HOOKS_ATTR, None) is not None:
         raise RuntimeError("zrw.optim.attach: this optimizer already has the zrw boundary")
 
     def pre_hook(opt, args, kwargs):
-        ops.restore_all(fill)
-        _clear_fsdp_shard_cache()
+        _run_boundary_callbacks(opt)
+        if not masters:
+            cache.restore_weights(_params_of(opt), fill)
+        return _wrap_closure(args, kwargs)
 
     def post_hook(opt, args, kwargs):
-        ops.next_step()
+        cache.next_step()
 
     handles = (optimizer.register_step_pre_hook(pre_hook),
                optimizer.register_step_post_hook(post_hook))
     setattr(optimizer, _HOOKS_ATTR, handles)
     return optimizer
-
-
-def _clear_fsdp_shard_cache() -> None:
-    import sys
-
-    fsdp = sys.modules.get("zrw.fsdp")  # only if FSDP2 support is in use
-    if fsdp is not None:
-        fsdp.clear_shard_cache()
 
 
 def detach(optimizer: torch.optim.Optimizer) -> None:
@@ -159,3 +335,29 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     for h in handles:
         h.remove()
     setattr(optimizer, _HOOKS_ATTR, None)
+
+
+def _refuse_released_params(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: an optimizer without the zrw boundary that would step a released
+    weight raises here, before it changes any state (its step would fail on the weight's
+    poison half-way, after updating others)."""
+    if getattr(optimizer, _HOOKS_ATTR, None) is not None or isinstance(optimizer, MasterWeights):
+        return
+    params = [p for p in _params_of(optimizer) if p.grad is not None]
+    if not params:
+        return
+    states = cache.cache_states(params)
+    released = [p for p, st in zip(params, states) if st >= 2]
+    if released:
+        names = ", ".join(repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>")
+                          for p in released[:8])
+        more = f" and {len(released) - 8} more" if len(released) > 8 else ""
+        raise RuntimeError(
+            f"zrw: {type(optimizer).__name__}.step() would update {len(released)} weight(s) "
+            f"whose BF16 storage is released: {names}{more}. Nothing was stepped. Install the "
+            "zero-redundancy boundary on this optimizer (zrw.optim.attach(optimizer, "
+            "fill='dequant'), or use zrw.optim.MasterWeights), or restore the weights first "
+            "(zrw.cache.restore_all('master'))")
+
+
+_global_guard = register_optimizer_step_pre_hook(_refuse_released_params)

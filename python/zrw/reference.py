@@ -313,6 +313,15 @@ def expand_block_scale(block_scale, shape, dim):
     return expanded.contiguous().view(torch.float8_e8m0fnu)
 
 
+def mx_expand_block_scale(block_scale, n, k, dim):
+    """``expand_block_scale`` for a weight with ``n`` rows and ``k`` columns (the op's
+    signature: the leading dims of the shape are block_scale's)."""
+    if not isinstance(block_scale, torch.Tensor):
+        raise TypeError(f"block_scale must be a torch.float8_e8m0fnu tensor, found "
+                        f"{type(block_scale)}")
+    return expand_block_scale(block_scale, (*block_scale.shape[:-2], n, k), dim)
+
+
 # ------------------------------------------------------------------------------------------------
 # dequantization and matmul
 

@@ -154,9 +154,9 @@ def run_ddp(args):
             ctx = model.no_sync() if mb < args.micro_batches - 1 else _null()
             with ctx:
                 loss = model(x.to(torch.bfloat16)).float().pow(2).mean() / args.micro_batches
-                peak = max(peak, zrw.ops.cache_stats()["released_bytes"])
+                peak = max(peak, zrw.cache.cache_stats()["released_bytes"])
                 loss.backward()
-                peak = max(peak, zrw.ops.cache_stats()["released_bytes"])
+                peak = max(peak, zrw.cache.cache_stats()["released_bytes"])
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from zrw import ops
+from zrw import cache
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,6 +22,6 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _empty_cache():
-    ops.cache_clear()
+    cache.cache_clear()
     yield
-    ops.cache_clear()
+    cache.cache_clear()

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zrw
 from zrw import ops
+from zrw import cache
 from zrw import reference as ref
 from zrw.nn import MXGroupedLinear, MXLinear
 
@@ -154,7 +155,7 @@ def test_mxlinear_matches_mx_emulation(recipe, bias, shape):
     dy = _data(*lead, out_f, seed=3)
 
     y, dx = _run(layer, x, dy)
-    assert ops.is_released(layer.weight), "a training forward must release the BF16 weight"
+    assert cache.is_released(layer.weight), "a training forward must release the BF16 weight"
     assert y.shape == (*lead, out_f) and y.dtype == BF16
     assert dx.shape == x.shape and dx.dtype == BF16
     dw = layer.weight.grad
@@ -168,7 +169,7 @@ def test_mxlinear_matches_mx_emulation(recipe, bias, shape):
     if bias:
         assert layer.bias.grad.dtype == BF16
         assert_sum_close(layer.bias.grad, dy2d, 0, "db")
-        assert not ops.is_cached(layer.bias), "the bias is not an MX operand"
+        assert not cache.is_cached(layer.bias), "the bias is not an MX operand"
 
     # The bound is meaningful: unquantized BF16 GEMMs are far outside it.
     y_bf16 = F.linear(x2d, w)
@@ -216,7 +217,7 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
             assert_bitwise(got_t, want_t, f"{gemm} operand {i}")
     assert fwd[4] == BF16 and dgrad[4] == BF16 and wgrad[4] == BF16
 
-    q = ops.quant_and_release(layer.weight, recipe, name="probe")  # a hit: the cached copy
+    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # a hit: the cached copy
     assert_bitwise(q.fwd.data, wf, "cached fwd data")
     assert_bitwise(q.fwd.scale, sf, "cached fwd scale")
     assert_bitwise(q.bwd.data, wb, "cached bwd data")
@@ -300,7 +301,7 @@ def test_grouped_equals_loop_of_mxlinear(recipe, counts):
     xg = x.clone().requires_grad_(True)
     y = layer(xg, counts)
     y.backward(dy)
-    assert ops.is_released(layer.weight)
+    assert cache.is_released(layer.weight)
     dW = layer.weight.grad
 
     off = 0
@@ -332,8 +333,8 @@ def test_grouped_stack_planes_equal_per_expert_quantization(recipe):
     layer, x, dy = _grouped_case(recipe, counts, seed=30)
     W = layer.weight.detach().clone()
     layer(x, counts).backward(dy)
-    q = ops.quant_and_release(layer.weight, recipe, name="probe")  # hit
-    assert ops.cache_stats()["misses"] == 1
+    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # hit
+    assert cache.cache_stats()["misses"] == 1
     for e in range(len(counts)):
         wf, sf, wb, sb = ref_weight_planes(W[e], recipe)
         assert_bitwise(q.fwd.data[e], wf, f"expert {e} fwd data")
@@ -370,9 +371,9 @@ def _block_grads(block, x, dy, mode):
         y = block(x)
     else:
         y = checkpoint(block, x, use_reentrant=(mode == "reentrant"))
-    before = ops.cache_stats()
+    before = cache.cache_stats()
     y.backward(dy)
-    after = ops.cache_stats()
+    after = cache.cache_stats()
     grads = [x.grad] + [p.grad for p in block.parameters()]
     return y.detach(), grads, before, after
 
@@ -396,7 +397,7 @@ def test_checkpoint_recompute_identical_and_hits_cache(recipe, mode):
     assert after["misses"] == before["misses"], "recompute must not re-quantize a weight"
     assert after["hits"] - before["hits"] == n_weights, "recompute looks up each weight once"
     if mode == "non_reentrant":
-        assert all(ops.is_released(m.weight) for m in (ckpt.fc1, ckpt.fc2))
+        assert all(cache.is_released(m.weight) for m in (ckpt.fc1, ckpt.fc2))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -409,9 +410,9 @@ def test_reentrant_checkpoint_still_releases_weights(recipe):
     x = _data(3, 15, 70, seed=56).requires_grad_(True)
     y = checkpoint(block, x, use_reentrant=True)
     y.backward(_data(3, 15, 33, seed=57))
-    st = ops.cache_stats()
-    statuses = [(e["name"], e["status"]) for e in ops.cache_entries()]
-    assert st["released"] == 2 and all(ops.is_released(m.weight) for m in (block.fc1, block.fc2)), (
+    st = cache.cache_stats()
+    statuses = [(e["name"], e["status"]) for e in cache.cache_entries()]
+    assert st["released"] == 2 and all(cache.is_released(m.weight) for m in (block.fc1, block.fc2)), (
         f"reentrant checkpoint released nothing in a training step: entries {statuses}, "
         f"released_bytes {st['released_bytes']} (expected {2 * (96 * 70 + 33 * 96)})")
 
@@ -432,8 +433,8 @@ def test_grad_accumulates_over_microbatches_while_released(recipe):
     singles = [copy.deepcopy(layer) for _ in mbs]  # equal weights, one microbatch each
     for i, (x, dy) in enumerate(mbs):
         _run(layer, x, dy)
-        assert ops.is_released(layer.weight), f"released during microbatch {i}"
-    st = ops.cache_stats()
+        assert cache.is_released(layer.weight), f"released during microbatch {i}"
+    st = cache.cache_stats()
     assert st["misses"] == 1 and st["hits"] == 2, "one quantization per step, then hits"
 
     want_w, want_b = None, None
@@ -455,7 +456,7 @@ def test_main_grad_accumulates_fp32(recipe):
     singles = [copy.deepcopy(layer) for _ in mbs]
     for x, dy in mbs:
         _run(layer, x, dy)
-    assert ops.is_released(layer.weight)
+    assert cache.is_released(layer.weight)
     assert layer.weight.grad is None, "with main_grad the weight's .grad stays None"
     mg = layer.weight.main_grad
     assert mg.dtype == torch.float32 and mg.shape == w.shape

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import zrw
 from zrw import ops
+from zrw import cache
 from zrw.nn import MXFusedExperts, MXLinear
 
 transformers = pytest.importorskip("transformers")
@@ -125,12 +126,12 @@ STEPS, MICRO = 5, 4
 @functools.lru_cache(maxsize=None)
 def _plain_run(kind, recipe):
     """release=False, no checkpointing: the reference every other configuration must equal."""
-    ops.cache_clear()
+    cache.cache_clear()
     model, opt, _ = setup(kind, recipe, release=False)
     losses = train(model, opt, make_batches(STEPS, MICRO))
     out = losses, weights(model)
     del model, opt
-    ops.cache_clear()
+    cache.cache_clear()
     return out
 
 
@@ -148,7 +149,7 @@ def test_release_on_off_bitwise(kind, recipe, ckpt):
 
         def probe(step, mb):
             if (step, mb) == (0, 0):
-                first.update(ops.cache_stats())
+                first.update(cache.cache_stats())
 
         losses = train(model, opt, batches, probe)
         runs[release] = (losses, weights(model))
@@ -161,7 +162,7 @@ def test_release_on_off_bitwise(kind, recipe, ckpt):
         elif ckpt != "reentrant":  # reentrant: see test_reentrant_checkpointing_releases_weights
             assert first["released_bytes"] == summary.release_bytes > 0
         del model, opt
-        ops.cache_clear()
+        cache.cache_clear()
 
     (loss_on, w_on), (loss_off, w_off) = runs[True], runs[False]
     assert loss_on.shape == (STEPS * MICRO,) and torch.isfinite(loss_on).all()
@@ -182,7 +183,7 @@ def test_reentrant_checkpointing_releases_weights():
     model, opt, summary = setup("dense", "mxfp8", ckpt="reentrant")
     ids = make_batches(1, 1)[0][0]
     model(input_ids=ids, labels=ids).loss.backward()
-    st = ops.cache_stats()
+    st = cache.cache_stats()
     assert st["released_bytes"] == summary.release_bytes, (
         f"released {st['released_bytes']} of {summary.release_bytes} bytes; skips: "
         f"no_grad={st['skip_no_grad']}")
@@ -257,7 +258,7 @@ def test_first_step_weight_grads_match_bf16(kind, recipe):
         cos = _cosines(pinned, g_bf16, names_pinned)
         low = {n: round(c, 4) for n, c in cos.items() if not c >= 0.99}
         assert not low, f"routing pinned: gradients with cosine < 0.99 to BF16's: {low}"
-        ops.cache_clear()
+        cache.cache_clear()
         mx = make_model(kind)
         zrw.convert(mx, recipe)
     g_mx = _first_step_grads(mx, step)
@@ -292,7 +293,7 @@ def _learn(convert_recipe, batches):
     opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(),
                                                    lr=3e-3))
     losses = train(model, opt, batches)
-    ops.cache_clear()
+    cache.cache_clear()
     return losses
 
 
@@ -331,15 +332,15 @@ def test_checkpoint_round_trip_resumes_bitwise(kind, recipe):
     full = train(model, opt, batches)
     w_full = weights(model)
     del model, opt
-    ops.cache_clear()
+    cache.cache_clear()
 
     model, opt, _ = setup(kind, recipe)
     first = train(model, opt, batches[:3])
     assert torch.equal(first, full[:3 * MICRO])
-    assert ops.cache_stats()["released"] == 0, "after opt.step every weight is restored"
+    assert cache.cache_stats()["released"] == 0, "after opt.step every weight is restored"
     buf = _save({"model": model.state_dict(), "optim": opt.state_dict()})
     del model, opt
-    ops.cache_clear()
+    cache.cache_clear()
 
     ckpt = torch.load(buf, weights_only=True)
     model, opt, _ = setup(kind, recipe, seed=123)  # a different init: loading must overwrite it
@@ -358,7 +359,7 @@ def test_saving_released_weights_raises_zrw_error(kind):
     model, opt, summary = setup(kind, "mxfp8")
     ids = make_batches(1, 1)[0][0]
     model(input_ids=ids, labels=ids).loss.backward()
-    assert ops.cache_stats()["released_bytes"] == summary.release_bytes
+    assert cache.cache_stats()["released_bytes"] == summary.release_bytes
     with pytest.raises(RuntimeError,
                        match=r"zrw: the BF16 storage of weight '.+' is released") as err:
         torch.save(model.state_dict(), io.BytesIO())
@@ -384,7 +385,7 @@ def test_mid_step_save_with_master_fill(kind, recipe):
     model, opt, summary = setup(kind, recipe)
     full = train(model, opt, batches)
     del model, opt
-    ops.cache_clear()
+    cache.cache_clear()
 
     model, opt, summary = setup(kind, recipe)
     names = [n for n, _ in model.named_parameters()]
@@ -393,10 +394,10 @@ def test_mid_step_save_with_master_fill(kind, recipe):
     def mid_step(step, mb):
         if (step, mb) != (1, 1):
             return
-        assert ops.cache_stats()["released_bytes"] == summary.release_bytes
-        n = ops.restore_all("master")
+        assert cache.cache_stats()["released_bytes"] == summary.release_bytes
+        n = cache.restore_all("master")
         assert n == len(summary.released_weights)
-        st = ops.cache_stats()
+        st = cache.cache_stats()
         assert st["released"] == 0 and st["entries"] == 0, "restore_all drops the FP8 entries"
         sd = model.state_dict()
         for name, master in zip(names, opt.masters[0]):
@@ -439,11 +440,11 @@ def test_compiled_mlp_matches_eager(recipe):
                 loss = F.mse_loss(fwd(x).float(), t)
                 loss.backward()
                 losses.append(loss.detach())
-                assert ops.is_released(model[0].weight)
+                assert cache.is_released(model[0].weight)
             opt.step()
             opt.zero_grad()
         runs.append((torch.stack(losses), weights(model)))
-        ops.cache_clear()
+        cache.cache_clear()
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert torch.equal(runs[0][0], runs[1][0]), f"{runs[0][0]}\n{runs[1][0]}"
@@ -472,11 +473,11 @@ def test_compiled_deep_model_compiles_each_layer_code_once():
             for _ in range(2):
                 compiled(x).float().pow(2).mean().backward()
                 # the names still reach the cache: entries carry them
-                assert {e["name"] for e in ops.cache_entries()} >= set(names)
+                assert {e["name"] for e in cache.cache_entries()} >= set(names)
                 opt.step()
                 opt.zero_grad()
     finally:
-        ops.cache_clear()
+        cache.cache_clear()
         torch._dynamo.reset()
 
 
@@ -489,7 +490,7 @@ def test_compiled_qwen3_matches_eager():
         model, opt, _ = setup("dense", "mxfp8", layers=1)
         fwd = torch.compile(model, backend="eager") if compiled else model
         runs.append(train(fwd, opt, batches))
-        ops.cache_clear()
+        cache.cache_clear()
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert torch.equal(runs[0], runs[1]), f"{runs[0]}\n{runs[1]}"
@@ -507,7 +508,7 @@ def test_weight_names_survive_deepcopy_and_pickling(kind):
 
     model = make_model(kind)
     zrw.convert(model, "mxfp8")
-    names = {n: ops.weight_name(p) for n, p in model.named_parameters() if ops.weight_name(p)}
+    names = {n: cache.weight_name(p) for n, p in model.named_parameters() if cache.weight_name(p)}
     expected = {n for n, m in model.named_modules() if isinstance(m, MXLinear)}
     assert {n.rsplit(".", 1)[0] for n in names} >= expected
     if kind == "moe":
@@ -516,7 +517,7 @@ def test_weight_names_survive_deepcopy_and_pickling(kind):
     torch.save(model, buf)
     buf.seek(0)
     for copied in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
-        got = {n: ops.weight_name(p) for n, p in copied.named_parameters() if ops.weight_name(p)}
+        got = {n: cache.weight_name(p) for n, p in copied.named_parameters() if cache.weight_name(p)}
         assert got == names
 
 
@@ -549,17 +550,17 @@ def test_convert_summary_matches_released_bytes(kind):
     ids = make_batches(1, 1)[0][0]
     for step in range(2):
         out = model(input_ids=ids, labels=ids)  # the first forward of a training step
-        st = ops.cache_stats()
+        st = cache.cache_stats()
         assert st["released_bytes"] == summary.release_bytes, (step, st)
         assert st["released"] == summary.parameters
-        released = sorted(e["name"] for e in ops.cache_entries() if e["status"] == "released")
+        released = sorted(e["name"] for e in cache.cache_entries() if e["status"] == "released")
         assert released == sorted(summary.released_weights)
-        assert not ops.is_cached(model.lm_head.weight)
-        assert not ops.is_cached(model.model.embed_tokens.weight)
+        assert not cache.is_cached(model.lm_head.weight)
+        assert not cache.is_cached(model.model.embed_tokens.weight)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        assert ops.cache_stats()["released_bytes"] == 0
+        assert cache.cache_stats()["released_bytes"] == 0
 
 
 def test_convert_tied_lm_head_is_never_released():
@@ -580,9 +581,9 @@ def test_convert_tied_lm_head_is_never_released():
     ids = make_batches(1, 1)[0][0]
     for step in range(2):
         loss = model(input_ids=ids, labels=ids).loss
-        st = ops.cache_stats()
+        st = cache.cache_stats()
         assert st["released_bytes"] == summary.release_bytes
-        assert ops.is_cached(emb) and not ops.is_released(emb), "the tied weight stays"
+        assert cache.is_cached(emb) and not cache.is_released(emb), "the tied weight stays"
         assert emb.float().abs().sum() > 0  # readable: the embedding lookup needs it
         loss.backward()
         assert emb.grad is not None

@@ -22,7 +22,7 @@ import time
 import torch
 
 import zrw
-from zrw import ops
+from zrw import cache, ops
 from zrw.bench._timing import best_of, print_table
 from zrw.config import get_recipe
 from zrw.nn import mx_linear
@@ -43,15 +43,15 @@ def _best_miss(w, recipe, release, repeat, warmup=1):
     best = float("inf")
     for i in range(warmup + repeat):
         if release:
-            ops.restore(w, "dequant")  # no-op on the first pass
+            cache.restore(w, "dequant")  # no-op on the first pass
         else:
-            ops.cache_invalidate(w)
+            cache.cache_invalidate(w)
         t0 = time.perf_counter()
-        ops.quant_and_release(w, recipe, release)
+        cache.quant_and_release(w, recipe, release)
         t = time.perf_counter() - t0
         if i >= warmup:
             best = min(best, t)
-    ops.cache_invalidate(w)  # restores (dequant) if released
+    cache.cache_invalidate(w)  # restores (dequant) if released
     return best
 
 
@@ -62,12 +62,12 @@ def time_op(shape, recipe, repeat):
     t_bare = best_of(lambda: bare(w), repeat)
     t_miss = _best_miss(w, recipe, True, repeat)
     t_miss_keep = _best_miss(w, recipe, False, repeat)
-    ops.quant_and_release(w, recipe)  # the miss; every call below is a hit
-    assert ops.is_released(w)
+    cache.quant_and_release(w, recipe)  # the miss; every call below is a hit
+    assert cache.is_released(w)
     n_hit = 100
-    t_hit = best_of(lambda: [ops.quant_and_release(w, recipe) for _ in range(n_hit)],
+    t_hit = best_of(lambda: [cache.quant_and_release(w, recipe) for _ in range(n_hit)],
                     repeat) / n_hit
-    ops.cache_invalidate(w)
+    cache.cache_invalidate(w)
     return {
         "bare_ms": t_bare * 1e3,
         "miss_ms": t_miss * 1e3,
@@ -104,14 +104,14 @@ def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
                 if i + 1 < layers:
                     h = torch.relu(h)
             (h.float().pow(2).mean() / micro).backward()
-        released = ops.cache_stats()["released_bytes"]
+        released = cache.cache_stats()["released_bytes"]
         opt.step()
         opt.zero_grad()
         t = time.perf_counter() - t0
         if s > 0:  # the first step allocates the optimizer state
             best_step = min(best_step, t)
             best_restore = min(best_restore, marks["post"] - marks["pre"])
-    ops.cache_clear()
+    cache.cache_clear()
     return {
         "step_ms": best_step * 1e3,
         "restore_ms": best_restore * 1e3,
@@ -122,7 +122,7 @@ def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
 
 def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens=32,
         micro=4, steps=3) -> dict:
-    ops.cache_clear()
+    cache.cache_clear()
     out = {
         "threads": torch.get_num_threads(),
         "cpu_isa": zrw._C.cpu_isa(),
@@ -132,7 +132,7 @@ def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens
         "mlp": {"dim": dim, "layers": layers, "tokens": tokens, "microbatches": micro,
                 "optimizer": "MasterWeights(AdamW)"},
     }
-    for recipe in ops.RECIPES:
+    for recipe in cache.RECIPES:
         out["op"][recipe] = {f"{n}x{k}": time_op((n, k), recipe, repeat) for n, k in sizes}
         out["step"][recipe] = {fill: time_step(recipe, dim, layers, tokens, micro, steps, fill)
                                for fill in ("empty", "dequant")}

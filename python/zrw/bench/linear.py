@@ -31,6 +31,7 @@ import torch
 
 import zrw
 from zrw import ops
+from zrw import cache
 from zrw.bench._timing import best_of, best_of_interleaved, print_table
 from zrw.nn import MXLinear
 from zrw.nn.linear import cache_recipe
@@ -124,12 +125,12 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
         t_wq = best_of(lambda: kernel(w, e4m3, "floor"), repeat)
 
         def miss():
-            ops.cache_invalidate(w)
-            ops.quant_and_release(w, cr, False, name="bench.weight")
+            cache.cache_invalidate(w)
+            cache.quant_and_release(w, cr, False, name="bench.weight")
 
         def release_cycle():  # a miss that releases, the boundary's restore, the new values
-            ops.quant_and_release(w, cr, True, name="bench.weight")
-            ops.restore(w, "empty")
+            cache.quant_and_release(w, cr, True, name="bench.weight")
+            cache.restore(w, "empty")
             with torch.no_grad():
                 w.copy_(w0)
 
@@ -139,12 +140,12 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
                 w.copy_(w0)
 
         t_miss = best_of(miss, repeat)
-        ops.cache_invalidate(w)
+        cache.cache_invalidate(w)
         # Interleaved: the release's cost is the difference of the two, which drift would swamp.
         # It can still come out slightly negative for small weights, where it is within noise.
         cycles = best_of_interleaved({"release": release_cycle, "keep": keep_cycle}, repeat)
         t_rel, t_keep = cycles["release"], cycles["keep"]
-        ops.cache_invalidate(w)
+        cache.cache_invalidate(w)
         del w
 
         # a later microbatch: the released weight's FP8 copy is a cache hit
@@ -152,17 +153,17 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
         with torch.no_grad():
             layer.weight.copy_(w0)
         _step(layer, x, dy)  # the step's first microbatch: quantize and release
-        assert ops.is_released(layer.weight)
+        assert cache.is_released(layer.weight)
         hit = _instrumented(lambda: _step(layer, x, dy), repeat)
-        ops.cache_clear("dequant")
+        cache.cache_clear("dequant")
 
         # the first microbatch of a step: a miss (BF16 kept, so it can miss again and again)
         keep = MXLinear(k, n, bias=True, recipe=recipe, release=False, dtype=torch.bfloat16)
         with torch.no_grad():
             keep.weight.copy_(w0)
         miss_step = _instrumented(lambda: _step(keep, x, dy), repeat,
-                                  before=lambda: ops.cache_invalidate(keep.weight))
-        ops.cache_clear()
+                                  before=lambda: cache.cache_invalidate(keep.weight))
+        cache.cache_clear()
 
         ms = lambda d: {key: v * 1e3 for key, v in d.items()}  # noqa: E731
         out["recipes"][recipe] = {

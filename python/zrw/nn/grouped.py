@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .. import cache
 from ..config import QuantRecipe, get_recipe
 from .linear import NamedWeight, _weight_planes, restamp_names
 
@@ -77,9 +78,9 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
 
     x: (T, K) with its rows grouped by expert, counts[e] rows for expert e (sum(counts) == T);
     weight: (E, N, K). Returns (T, N). `name` (for messages) defaults to the weight's own
-    (zrw.ops.set_weight_name).
+    (zrw.cache.set_weight_name).
     """
-    shown = ops.weight_name(weight) if name is None else name
+    shown = cache.weight_name(weight) if name is None else name
     if weight.dim() != 3:
         raise ValueError(f"mx_grouped_linear: weight '{shown}' must be 3-d (E, N, K), got shape "
                          f"{tuple(weight.shape)}")

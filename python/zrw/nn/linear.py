@@ -4,7 +4,7 @@ Numerics (DESIGN.md §6), for x (M, K), W (N, K), dy (M, N):
   forward  y  = mx_matmul(Q_K(x), W_fwd)                 x blocked along K, W_fwd along K
   dgrad    dx = mx_matmul(Q_N(dy), W_bwd.t())            dy along N, W_bwd along N
   wgrad    dW = mx_matmul(Q_M(dy).t(), Q_M(x).t())       both along M (tokens)
-all with FP32 accumulation. The weight planes come from zrw.ops.quant_and_release, called in the
+all with FP32 accumulation. The weight planes come from zrw.cache.quant_and_release, called in the
 module's forward (under the caller's grad mode, which the release guard reads) — never from a
 BF16 weight saved for backward. The activation is quantized along both axes in one read
 (mx_quantize_dual); the function saves its FP8 M-plane, not the BF16 activation.
@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .. import planes
+from .. import cache
 from ..config import QuantRecipe, get_recipe
 
 
@@ -71,7 +73,7 @@ class _MXLinearFn(torch.autograd.Function):
 
 
 def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
-                   name: Optional[str]) -> ops.MXWeight:
+                   name: Optional[str]) -> planes.MXWeight:
     """The weight's MX planes: from FSDP2's MXFP8 all-gather when the weight is a gathered one
     (bwd is None: it is read from the weight in backward, after FSDP2's re-gather), else from
     the native cache."""
@@ -81,8 +83,8 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
         # FSDP2 frees the gathered planes at reshard and refills them at the backward
         # re-gather: backward must read them from the weight then, never keep forward's.
         fwd = weight.mx_weight("fwd").fwd
-        return ops.MXWeight(weight._zrw_recipe, fwd, ops.MXPlane(None, None))
-    return ops.quant_and_release(weight, cache_recipe(recipe), release,
+        return planes.MXWeight(weight._zrw_recipe, fwd, planes.MXPlane(None, None))
+    return cache.quant_and_release(weight, cache_recipe(recipe), release,
                                  release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                  scale_mode=recipe.scale_mode, name=name)
 
@@ -91,9 +93,9 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
               release: bool = True, release_frozen: bool = False, name: Optional[str] = None,
               main_grad: bool = False) -> Tensor:
     """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K), W (N, K). `name`
-    (for messages) defaults to the weight's own (zrw.ops.set_weight_name)."""
+    (for messages) defaults to the weight's own (zrw.cache.set_weight_name)."""
     if x.shape[-1] != weight.shape[-1]:
-        name = ops.weight_name(weight) if name is None else name
+        name = cache.weight_name(weight) if name is None else name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
@@ -107,19 +109,19 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
 
 class NamedWeight:
     """`zrw_name`, the name zrw's messages give a layer's `weight`, kept on the Parameter itself
-    (zrw.ops.set_weight_name), where the cache reads it outside any compiled region: a per-layer
+    (zrw.cache.set_weight_name), where the cache reads it outside any compiled region: a per-layer
     string read in forward would make torch.compile guard on it and recompile the forward for
     every layer. The module keeps a copy, and stamps it on its weight again when it is copied or
     unpickled (copy.deepcopy makes new Parameters without their attributes)."""
 
     @property
     def zrw_name(self) -> str:
-        return ops.weight_name(self.weight) or self.__dict__.get("_zrw_layer_name", "")
+        return cache.weight_name(self.weight) or self.__dict__.get("_zrw_layer_name", "")
 
     @zrw_name.setter
     def zrw_name(self, name: str) -> None:
         self.__dict__["_zrw_layer_name"] = name
-        ops.set_weight_name(self.weight, name)
+        cache.set_weight_name(self.weight, name)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -127,11 +129,11 @@ class NamedWeight:
 
 
 def restamp_names(module: nn.Module, names: dict) -> None:
-    """Set each named parameter's zrw name (zrw.ops.set_weight_name), where both exist."""
+    """Set each named parameter's zrw name (zrw.cache.set_weight_name), where both exist."""
     for pname, name in names.items():
         param = module._parameters.get(pname)
         if param is not None and name is not None:
-            ops.set_weight_name(param, name)
+            cache.set_weight_name(param, name)
 
 
 class MXLinear(NamedWeight, nn.Linear):

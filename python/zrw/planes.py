@@ -1,0 +1,63 @@
+"""Low-level types for a weight held as MX planes (no imports from the rest of zrw).
+
+`MXPlane` is one GEMM direction's operand, `MXWeight` a weight's cached MXFP8 copy (both
+directions). `MXPlanesCarrier` marks a tensor that carries its weight as MX planes instead of
+data (FSDP2's gathered weight, zrw.fsdp.MXGatheredWeight): the layers ask it for its planes
+through `mx_weight(need)` and never look at its data. zrw.nn and zrw.fsdp both import this
+module; neither imports the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MXPlane:
+    """One GEMM direction's operand: fp8 data and its e8m0 scale (blocks of 32 along one axis)."""
+
+    data: Tensor
+    scale: Tensor
+
+    def __iter__(self):
+        return iter((self.data, self.scale))
+
+
+@dataclass(frozen=True)
+class MXWeight:
+    """The cached MXFP8 copy of one weight W (N, K) or (E, N, K).
+
+    fwd: data (.., N, K) blocked along K with scale (.., N, ceil(K/32)) — the forward GEMM's
+    operand. bwd: data (.., N, K) blocked along N with scale (.., ceil(N/32), K) — dgrad uses
+    bwd.data.t(). For "mxfp8-32x32", fwd.data is bwd.data (one FP8 tensor) and block_scale
+    (.., ceil(N/32), ceil(K/32)) is set; fwd/bwd scales are its row/column expansions.
+    """
+
+    recipe: str
+    fwd: MXPlane
+    bwd: MXPlane
+    block_scale: Optional[Tensor] = None
+
+    @staticmethod
+    def from_tensors(recipe: str, tensors: List[Tensor]) -> "MXWeight":
+        """From the native cache's list: [data_fwd, scale_fwd, data_bwd, scale_bwd] ("mxfp8")
+        or [data, scale_fwd, data, scale_bwd, block_scale] ("mxfp8-32x32")."""
+        if recipe == "mxfp8":
+            df, sf, db, sb = tensors
+            return MXWeight(recipe, MXPlane(df, sf), MXPlane(db, sb))
+        data, sf, data_b, sb, block = tensors
+        return MXWeight(recipe, MXPlane(data, sf), MXPlane(data_b, sb), block)
+
+
+class MXPlanesCarrier:
+    """Mixin of a tensor that holds a weight as MX planes instead of data.
+
+    `mx_weight(need)` returns the planes as an MXWeight; `need` ("fwd" or "bwd") names the plane
+    the caller is about to read (a carrier may hold only one). `zrw_name` names the weight."""
+
+    zrw_name: str = ""
+
+    def mx_weight(self, need: str) -> MXWeight:  # pragma: no cover - interface
+        raise NotImplementedError
