@@ -46,14 +46,14 @@ PyObject* memory_peak(PyObject*, PyObject*) {
   return PyLong_FromLongLong(zrw::memory::peak_bytes());
 }
 PyObject* memory_fail_next(PyObject*, PyObject* args) {
-  long long min_bytes = 0, count = 0;
-  if (!PyArg_ParseTuple(args, "LL", &min_bytes, &count)) return nullptr;
+  long long min_bytes = 0, skip = 0, count = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &min_bytes, &skip, &count)) return nullptr;
   if (!zrw::memory::installed()) {
     PyErr_SetString(PyExc_RuntimeError,
                     "zrw.memory: install() the counting allocator before injecting failures");
     return nullptr;
   }
-  zrw::memory::fail_next(min_bytes, count);
+  zrw::memory::fail_next(min_bytes, skip, count);
   Py_RETURN_NONE;
 }
 PyObject* memory_pending_failures(PyObject*, PyObject*) {
@@ -76,7 +76,7 @@ PyMethodDef zrw_methods[] = {
     {"memory_current", memory_current, METH_NOARGS, "Live CPU bytes allocated since install."},
     {"memory_peak", memory_peak, METH_NOARGS, "Peak live CPU bytes since install or reset."},
     {"memory_fail_next", memory_fail_next, METH_VARARGS,
-     "Fault injection: the next `count` allocations of at least `min_bytes` fail (OOM)."},
+     "Fault injection: of the allocations of >= min_bytes, skip some, then fail `count` (OOM)."},
     {"memory_pending_failures", memory_pending_failures, METH_NOARGS,
      "Injected failures not yet consumed."},
     {"memory_reset_peak", memory_reset_peak, METH_NOARGS, "Set the peak to the current bytes."},

@@ -50,10 +50,13 @@ class CountingAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
 
-  // Fault injection for tests: the next `count` allocations of at least `min_bytes` fail with
-  // an OutOfMemoryError, as a real out-of-memory would.
-  void fail_next(int64_t min_bytes, int64_t count) {
-    fail_min_bytes_.store(min_bytes);
+  // Fault injection for tests: of the allocations of at least `min_bytes`, the next `skip`
+  // succeed and the `count` after them fail with an OutOfMemoryError, as a real out-of-memory
+  // would.
+  void fail_next(int64_t min_bytes, int64_t skip, int64_t count) {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    fail_min_bytes_ = min_bytes;
+    fail_skip_ = skip;
     fail_count_.store(count);
   }
 
@@ -68,17 +71,24 @@ class CountingAllocator final : public c10::Allocator {
   };
 
   void maybe_inject_failure(size_t n) {
-    if (fail_count_.load() <= 0 || static_cast<int64_t>(n) < fail_min_bytes_.load()) return;
-    if (fail_count_.fetch_sub(1) <= 0) {  // another thread took the last one
-      fail_count_.fetch_add(1);
-      return;
+    if (fail_count_.load() <= 0) return;  // the common case: one atomic load
+    {
+      std::lock_guard<std::mutex> lock(fail_mu_);
+      if (fail_count_.load() <= 0 || static_cast<int64_t>(n) < fail_min_bytes_) return;
+      if (fail_skip_ > 0) {
+        --fail_skip_;
+        return;
+      }
+      fail_count_.fetch_sub(1);
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.memory: injected allocation failure (",
                      n, " bytes; zrw.memory.fail_allocations)");
   }
 
   c10::Allocator* base_;
-  std::atomic<int64_t> fail_min_bytes_{0};
+  std::mutex fail_mu_;
+  int64_t fail_min_bytes_ = 0;
+  int64_t fail_skip_ = 0;
   std::atomic<int64_t> fail_count_{0};
   std::mutex mu_;
   std::unordered_map<void*, Block> live_;
@@ -120,9 +130,9 @@ int64_t peak_bytes() { return g_allocator ? g_allocator->peak() : 0; }
 void reset_peak() {
   if (g_allocator) g_allocator->reset_peak();
 }
-void fail_next(int64_t min_bytes, int64_t count) {
+void fail_next(int64_t min_bytes, int64_t skip, int64_t count) {
   TORCH_CHECK(g_allocator != nullptr, "zrw.memory: install() the counting allocator first");
-  g_allocator->fail_next(min_bytes, count);
+  g_allocator->fail_next(min_bytes, skip, count);
 }
 int64_t pending_failures() { return g_allocator ? g_allocator->pending_failures() : 0; }
 

@@ -13,8 +13,9 @@ bool installed();
 int64_t current_bytes();
 int64_t peak_bytes();
 void reset_peak();
-// Fault injection (tests): the next `count` allocations of >= min_bytes raise OutOfMemoryError.
-void fail_next(int64_t min_bytes, int64_t count);
+// Fault injection (tests): of the allocations of >= min_bytes, the next `skip` succeed and the
+// `count` after them raise OutOfMemoryError.
+void fail_next(int64_t min_bytes, int64_t skip, int64_t count);
 int64_t pending_failures();
 
 }  // namespace zrw::memory

@@ -63,19 +63,20 @@ def window() -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def fail_allocations(min_bytes: int = 0, count: int = 1) -> Iterator[None]:
-    """Fault injection for tests: within the block, the next `count` CPU allocations of at
-    least `min_bytes` raise torch.OutOfMemoryError, as a real out-of-memory would. Only
-    tensors whose storage was allocated after install() use the counting allocator."""
+def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iterator[None]:
+    """Fault injection for tests: within the block, of the CPU allocations of at least
+    `min_bytes`, the first `after` succeed and the `count` after them raise
+    torch.OutOfMemoryError, as a real out-of-memory would. Allocations go through the counting
+    allocator only once install() ran (a storage created earlier keeps the allocator it had)."""
     _require()
-    if count < 0 or min_bytes < 0:
-        raise ValueError(f"zrw.memory.fail_allocations: min_bytes and count must be >= 0, got "
-                         f"{min_bytes} and {count}")
-    _C.memory_fail_next(int(min_bytes), int(count))
+    if min(min_bytes, count, after) < 0:
+        raise ValueError(f"zrw.memory.fail_allocations: min_bytes, count and after must be >= 0, "
+                         f"got {min_bytes}, {count} and {after}")
+    _C.memory_fail_next(int(min_bytes), int(after), int(count))
     try:
         yield
     finally:
-        _C.memory_fail_next(0, 0)
+        _C.memory_fail_next(0, 0, 0)
 
 
 def pending_failures() -> int:
