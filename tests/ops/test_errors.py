@@ -157,10 +157,9 @@ CASES = [
      rf"zrw\.mx_matmul: out_dtype must be {INPUT_DTYPES}, {found(torch.int32)}"),
     ("matmul-out-float64", lambda: ops.mx_matmul(DATA, SCALE, DATA, SCALE, torch.float64),
      TypeError, rf"zrw\.mx_matmul: out_dtype must be {INPUT_DTYPES}, {found(torch.float64)}"),
-    # ---- the Python helper
+    # ---- mx_expand_block_scale (zrw.ops.expand_block_scale checks shape and leading dims)
     ("expand-block-scale-dim", lambda: ops.expand_block_scale(SCALE[:1, :2][None], (1, 4, 64), 0),
-     ValueError,
-     r"expand_block_scale: dim must be -1 or -2 for a weight of shape \(1, 4, 64\), got 0"),
+     IndexError, r"zrw\.mx_expand_block_scale: dim must be -1 .* or -2 .*, got 0$"),
 ]
 
 
@@ -269,3 +268,144 @@ def test_fake_kernels_reject_what_the_cpu_kernels_reject(call, exc_type, pattern
     # mis-sizes) later.
     with pytest.raises(exc_type, match=pattern):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# None and other non-tensor arguments: the wrappers name the argument (the dispatcher's own
+# message for a None tensor names neither the op nor the argument)
+
+NOT_A = {"Tensor": "a torch\\.Tensor", "int": "an int", "dtype": "a torch\\.dtype", "str": "a str"}
+TYPE_CASES = [
+    ("quantize-x-none", lambda: ops.mx_quantize(None), "mx_quantize", "x", "Tensor", "NoneType"),
+    ("quantize-x-list", lambda: ops.mx_quantize([1.0] * 32), "mx_quantize", "x", "Tensor",
+     "list"),
+    ("quantize-dim-none", lambda: ops.mx_quantize(X, None), "mx_quantize", "dim", "int",
+     "NoneType"),
+    ("quantize-dim-float", lambda: ops.mx_quantize(X, 1.0), "mx_quantize", "dim", "int", "float"),
+    ("quantize-dim-bool", lambda: ops.mx_quantize(X, True), "mx_quantize", "dim", "int", "bool"),
+    ("quantize-elem-none", lambda: ops.mx_quantize(X, -1, None), "mx_quantize", "elem_dtype",
+     "dtype", "NoneType"),
+    ("quantize-elem-str", lambda: ops.mx_quantize(X, -1, "e4m3"), "mx_quantize", "elem_dtype",
+     "dtype", "str"),
+    ("quantize-mode-none", lambda: ops.mx_quantize(X, -1, E4M3, None), "mx_quantize",
+     "scale_mode", "str", "NoneType"),
+    ("dual-w-none", lambda: ops.mx_quantize_dual(None), "mx_quantize_dual", "w", "Tensor",
+     "NoneType"),
+    ("dual-elem-none", lambda: ops.mx_quantize_dual(X, None), "mx_quantize_dual", "elem_dtype",
+     "dtype", "NoneType"),
+    ("block-w-none", lambda: ops.mx_quantize_block(None), "mx_quantize_block", "w", "Tensor",
+     "NoneType"),
+    ("block-mode-none", lambda: ops.mx_quantize_block(X, E4M3, None), "mx_quantize_block",
+     "scale_mode", "str", "NoneType"),
+    ("dequantize-data-none", lambda: ops.mx_dequantize(None, SCALE), "mx_dequantize", "data",
+     "Tensor", "NoneType"),
+    ("dequantize-scale-none", lambda: ops.mx_dequantize(DATA, None), "mx_dequantize", "scale",
+     "Tensor", "NoneType"),
+    ("dequantize-dim-none", lambda: ops.mx_dequantize(DATA, SCALE, None), "mx_dequantize", "dim",
+     "int", "NoneType"),
+    ("dequantize-out-none", lambda: ops.mx_dequantize(DATA, SCALE, -1, None), "mx_dequantize",
+     "out_dtype", "dtype", "NoneType"),
+    ("matmul-a-none", lambda: ops.mx_matmul(None, SCALE, DATA, SCALE), "mx_matmul", "a", "Tensor",
+     "NoneType"),
+    ("matmul-a-scale-none", lambda: ops.mx_matmul(DATA, None, DATA, SCALE), "mx_matmul",
+     "a_scale", "Tensor", "NoneType"),
+    ("matmul-b-none", lambda: ops.mx_matmul(DATA, SCALE, None, SCALE), "mx_matmul", "b", "Tensor",
+     "NoneType"),
+    ("matmul-b-scale-none", lambda: ops.mx_matmul(DATA, SCALE, DATA, None), "mx_matmul",
+     "b_scale", "Tensor", "NoneType"),
+    ("matmul-out-none", lambda: ops.mx_matmul(DATA, SCALE, DATA, SCALE, None), "mx_matmul",
+     "out_dtype", "dtype", "NoneType"),
+    ("expand-dim-none", lambda: ops.expand_block_scale(SCALE[:1, :2], (4, 64), None),
+     "mx_expand_block_scale", "dim", "int", "NoneType"),
+]
+
+
+@pytest.mark.parametrize("call, op, arg, expected, got", [c[1:] for c in TYPE_CASES],
+                         ids=[c[0] for c in TYPE_CASES])
+def test_none_or_wrong_typed_argument_is_a_type_error_naming_it(call, op, arg, expected, got):
+    with pytest.raises(TypeError, match=rf"^zrw\.{op}: {arg} must be {NOT_A[expected]}, got "
+                                        rf"{got}$"):
+        call()
+
+
+def test_expand_block_scale_none_arguments_are_named():
+    with pytest.raises(TypeError, match=r"expand_block_scale: block_scale must be a "
+                                        r"torch\.Tensor, got NoneType"):
+        ops.expand_block_scale(None, (4, 64), -1)
+    with pytest.raises(TypeError, match=r"expand_block_scale: shape must be a sequence of ints, "
+                                        r"got None"):
+        ops.expand_block_scale(SCALE[:1, :2], None, -1)
+
+
+def test_integer_like_dims_are_accepted():
+    # numpy integers are ints to the dispatcher too; only bool (an int subclass) is refused.
+    np = pytest.importorskip("numpy")
+    for a, b in zip(ops.mx_quantize(X, np.int64(-1)), ops.mx_quantize(X, -1)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# The MX ops are not differentiable: an input that requires grad is refused under grad mode,
+# never a gradient that silently vanishes.
+
+W_BLOCK = torch.randn(64, 96)
+_, BLOCK_SCALE = ops.mx_quantize_block(W_BLOCK)
+
+
+def _requiring(t):
+    return t.detach().clone().requires_grad_()
+
+
+GRAD_CASES = [
+    ("mx_quantize", "x", lambda t: ops.mx_quantize(t), X),
+    ("mx_quantize_dual", "w", lambda t: ops.mx_quantize_dual(t, E5M2, "rceil"), X),
+    ("mx_quantize_block", "w", lambda t: ops.mx_quantize_block(t), X),
+    ("mx_dequantize", "data", lambda t: ops.mx_dequantize(t, SCALE), DATA),
+    ("mx_dequantize", "scale", lambda t: ops.mx_dequantize(DATA, t), SCALE),
+    ("mx_matmul", "a", lambda t: ops.mx_matmul(t, SCALE, DATA, SCALE), DATA),
+    ("mx_matmul", "b_scale", lambda t: ops.mx_matmul(DATA, SCALE, DATA, t), SCALE),
+    ("mx_expand_block_scale", "block_scale",
+     lambda t: ops.expand_block_scale(t, W_BLOCK.shape, -2), BLOCK_SCALE),
+]
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _same(a, b):
+    a, b = a.detach(), b.detach()
+    if a.dtype.is_floating_point and a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op, arg, call, value", [c for c in GRAD_CASES],
+                         ids=[f"{c[0]}-{c[1]}" for c in GRAD_CASES])
+def test_input_requiring_grad_is_refused_naming_op_and_argument(op, arg, call, value):
+    with pytest.raises(RuntimeError, match=rf"^zrw\.{op} is not differentiable, but its argument "
+                                           rf"{arg} requires grad.*zrw\.nn\.MXLinear.*"
+                                           rf"torch\.autograd\.Function.*{arg}\.detach\(\)"):
+        call(_requiring(value))
+
+
+@pytest.mark.parametrize("op, arg, call, value", [c for c in GRAD_CASES],
+                         ids=[f"{c[0]}-{c[1]}" for c in GRAD_CASES])
+def test_without_grad_the_ops_work_as_before(op, arg, call, value, recwarn):
+    expected = _as_list(call(value))
+    # requires_grad under no_grad, or a detached input: the same bytes, nothing requires grad.
+    with torch.no_grad():
+        got = _as_list(call(_requiring(value)))
+    assert all(_same(g, e) and not g.requires_grad for g, e in zip(got, expected))
+    got = _as_list(call(_requiring(value).detach()))
+    assert all(_same(g, e) and not g.requires_grad for g, e in zip(got, expected))
+    # No "autograd kernel was not registered" warning either.
+    assert not [w for w in recwarn if "autograd" in str(w.message)]
+
+
+def test_a_refused_call_in_a_compiled_function_is_refused_too():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: ops.mx_quantize(t)[0], backend="aot_eager")
+    assert _same(compiled(X), ops.mx_quantize(X)[0])
+    with pytest.raises(Exception, match=r"zrw\.mx_quantize is not differentiable"):
+        compiled(_requiring(X))
