@@ -9,6 +9,7 @@ is quantized per matrix), so each expert's planes are slices of one cached copy.
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from .. import ops
 from .. import cache
 from ..config import QuantRecipe, get_recipe
-from .linear import NamedWeight, _weight_planes, restamp_names
+from .linear import NamedWeight, _weight_planes, check_layer_args, restamp_names
 
 
 class _MXGroupedFn(torch.autograd.Function):
@@ -71,19 +72,57 @@ class _MXGroupedFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def checked_counts(op: str, counts) -> List[int]:
+    """counts as a list of Python ints: a sequence of ints (or of 0-d integer tensors) or a 1-d
+    integer tensor. Floats, bools and float tensors are a TypeError, negative counts a
+    ValueError, each naming counts (and the entry)."""
+    if isinstance(counts, Tensor):
+        if not _is_integer_dtype(counts.dtype):
+            raise TypeError(f"{op}: counts must be ints (a sequence or a 1-d integer tensor), got "
+                            f"a tensor of {counts.dtype}")
+        if counts.dim() != 1:
+            raise ValueError(f"{op}: counts must be a 1-d tensor (one count per expert), got "
+                             f"shape {tuple(counts.shape)}")
+        values = counts.tolist()
+    else:
+        if counts is None or isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+            raise TypeError(f"{op}: counts must be a sequence of ints or a 1-d integer tensor, "
+                            f"got {type(counts).__name__}")
+        values = []
+        for e, c in enumerate(counts):
+            if isinstance(c, Tensor) and c.dim() == 0 and _is_integer_dtype(c.dtype):
+                c = int(c)
+            elif not isinstance(c, numbers.Integral) or isinstance(c, bool):
+                raise TypeError(f"{op}: counts must be ints, got counts[{e}] = {c!r} "
+                                f"({type(c).__name__})")
+            values.append(int(c))
+    for e, c in enumerate(values):
+        if c < 0:
+            raise ValueError(f"{op}: counts must be >= 0 (rows per expert), got counts[{e}] = {c}")
+    return values
+
+
 def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: QuantRecipe,
                       release: bool = True, release_frozen: bool = False,
                       name: Optional[str] = None) -> Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T on MXFP8 operands.
 
-    x: (T, K) with its rows grouped by expert, counts[e] rows for expert e (sum(counts) == T);
-    weight: (E, N, K). Returns (T, N). `name` (for messages) defaults to the weight's own
-    (zrw.cache.set_weight_name).
+    x: (T, K) bf16, fp16 or fp32, with its rows grouped by expert, counts[e] >= 0 rows for expert
+    e (sum(counts) == T; Python ints or an integer tensor); weight: (E, N, K). `recipe` is a
+    QuantRecipe or a registered name. Returns (T, N). `name` (for messages) defaults to the
+    weight's own (zrw.cache.set_weight_name).
     """
+    op = "mx_grouped_linear"
+    recipe = check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
     shown = cache.weight_name(weight) if name is None else name
-    if weight.dim() != 3:
-        raise ValueError(f"mx_grouped_linear: weight '{shown}' must be 3-d (E, N, K), got shape "
-                         f"{tuple(weight.shape)}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-d (T, K), rows grouped by expert, got shape "
+                         f"{tuple(x.shape)}")
+    counts = checked_counts(op, counts)
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"mx_grouped_linear: counts must have one entry per expert "
                          f"({weight.shape[0]}) summing to the {x.shape[0]} rows of x, got "
@@ -92,7 +131,7 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
         raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
                          f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
-    return _MXGroupedFn.apply(x.contiguous(), weight, list(counts), q.fwd.data, q.fwd.scale,
+    return _MXGroupedFn.apply(x.contiguous(), weight, counts, q.fwd.data, q.fwd.scale,
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)
 
 

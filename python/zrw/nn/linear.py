@@ -89,11 +89,53 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
                                  scale_mode=recipe.scale_mode, name=name)
 
 
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_layer_args(op: str, x, x_arg: str, weight, weight_shape: str, recipe,
+                     name: Optional[str]) -> QuantRecipe:
+    """The arguments every zrw layer shares, each refused with an error naming it (DESIGN.md §8):
+    TypeError for a wrong type or dtype, ValueError for a wrong rank. `weight_shape` is the
+    weight's layout, "(N, K)" or "(E, N, K)"; its rank is the number of its letters. Returns the
+    recipe (a QuantRecipe, or the one registered under a str name)."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: {x_arg} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    elif not isinstance(recipe, QuantRecipe):
+        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name, "
+                        f"got {type(recipe).__name__}")
+    rank = weight_shape.count(",") + 1
+    if weight.dim() != rank:
+        shown = cache.weight_name(weight) if name is None else name
+        label = f"weight '{shown}'" if shown else "weight"
+        raise ValueError(f"{op}: {label} must be {rank}-d {weight_shape}, got shape "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{op}: {x_arg} must be torch.bfloat16, torch.float16 or torch.float32, "
+                        f"got {x.dtype}")
+    return recipe
+
+
 def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
               release: bool = True, release_frozen: bool = False, name: Optional[str] = None,
               main_grad: bool = False) -> Tensor:
-    """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K), W (N, K). `name`
-    (for messages) defaults to the weight's own (zrw.cache.set_weight_name)."""
+    """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K) bf16, fp16 or fp32,
+    W (N, K), bias (N,) or None. `recipe` is a QuantRecipe or a registered name. `name` (for
+    messages) defaults to the weight's own (zrw.cache.set_weight_name)."""
+    recipe = check_layer_args("mx_linear", x, "input", weight, "(N, K)", recipe, name)
+    if x.dim() < 1:
+        raise ValueError("mx_linear: input must have at least one dimension (..., K), got a 0-d "
+                         "tensor")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"mx_linear: bias must be a torch.Tensor or None, got "
+                            f"{type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"mx_linear: bias must have shape ({weight.shape[0]},) (the "
+                             f"weight's out_features), got {tuple(bias.shape)}")
     if x.shape[-1] != weight.shape[-1]:
         name = cache.weight_name(weight) if name is None else name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
