@@ -204,15 +204,27 @@ class WeightCache {
       const bool same_recipe = e.recipe == recipe && e.elem_dtype == elem_dtype &&
                                e.scale_mode == scale_mode;
       // A released weight cannot have changed (every write to it raises), so its copy stays
-      // valid until it is restored, across steps too; unless its data was replaced.
+      // valid until it is restored, across steps too; unless its data was replaced. A copy
+      // filed under no_grad (an eval pass, a reentrant checkpoint's forward) serves the
+      // training recompute of this step, but never another no_grad call: eval never reaches a
+      // step boundary, and a write through `.data` bumps no version, so each eval pass
+      // quantizes the current values.
       const bool replaced = e.released && !layout_mismatch(w, e).empty();
+      const bool eval_copy = !e.released && e.status == kSkipNoGrad;
       const bool fresh =
           e.released ? !replaced
                      : e.step == step_ &&
-                           e.version == key->version_counter().current_version();
+                           e.version == key->version_counter().current_version() &&
+                           !(eval_copy && !c10::GradMode::is_enabled());
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
+        // Filed under no_grad (a reentrant checkpoint's forward) and now used for training (its
+        // recompute): release now. release=False stays an explicit choice for the step.
+        if (eval_copy && release && release_guard(w, release, release_frozen) == kReleased) {
+          e.status = kReleased;
+          release_storage_locked(w, e);
+        }
         return e.tensors;
       }
       TORCH_CHECK(!e.released || replaced || same_recipe, op, ": weight '", e.name,
@@ -237,13 +249,6 @@ class WeightCache {
     e.version = key->version_counter().current_version();
     e.storage_nbytes = static_cast<int64_t>(w.storage().nbytes());
     e.status = release_guard(w, release, release_frozen);
-    if (e.status == kSkipNoGrad) {
-      // Inference or an eval pass: nothing releases and no step boundary follows, so nothing
-      // would ever refresh a cached copy (a write through `.data` bumps no version). Quantize
-      // the current values on every call instead.
-      ++skips_[e.status];
-      return e.tensors;
-    }
     if (e.status == kReleased) {
       release_storage_locked(w, e);
     } else {

@@ -18,6 +18,7 @@ zrw boundary raises before it touches its state.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -28,7 +29,8 @@ from . import cache
 
 _HOOKS_ATTR = "_zrw_boundary_hooks"
 
-_boundary_callbacks: Dict[int, Callable[[torch.optim.Optimizer], None]] = {}
+# An OrderedDict, as torch's own hook tables: RemovableHandle keeps a weak reference to it.
+_boundary_callbacks: "OrderedDict[int, Callable[[torch.optim.Optimizer], None]]" = OrderedDict()
 
 
 def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:

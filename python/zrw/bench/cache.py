@@ -9,9 +9,12 @@ times:
 and reports the miss and the hit as ratios of the bare quantization. Between two timed misses
 the weight is restored by dequantization (untimed), so every miss reads realistic values.
 
-Then it trains a small MLP (nn.Linear weights used through zrw.nn.mx_linear, MasterWeights(AdamW)
-attached, a few microbatches per step) and reports the
-restore at the optimizer boundary (attach's pre-hook: restore_all) as a fraction of the step.
+Then it trains a small MLP (nn.Linear weights used through zrw.nn.mx_linear, a few microbatches
+per step) with each kind of boundary and reports its restore as a fraction of the step:
+  - "master": MasterWeights(AdamW) attached; the restore is its write-back (every released
+    weight gets fresh bytes filled from its FP32 master, after the inner step);
+  - "dequant": AdamW attached with fill="dequant"; the restore is the boundary's pre-hook
+    (the optimizer's own weights, filled from their FP8 copies).
 """
 from __future__ import annotations
 
@@ -42,10 +45,7 @@ def _best_miss(w, recipe, release, repeat, warmup=1):
     between calls, outside the timed region."""
     best = float("inf")
     for i in range(warmup + repeat):
-        if release:
-            cache.restore(w, "dequant")  # no-op on the first pass
-        else:
-            cache.cache_invalidate(w)
+        cache.cache_invalidate(w)  # restores (dequant) if released
         t0 = time.perf_counter()
         cache.quant_and_release(w, recipe, release)
         t = time.perf_counter() - t0
@@ -59,7 +59,7 @@ def time_op(shape, recipe, repeat):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(*shape, dtype=BF16))
     bare = _bare(recipe)
-    t_bare = best_of(lambda: bare(w), repeat)
+    t_bare = best_of(lambda: bare(w.detach()), repeat)
     t_miss = _best_miss(w, recipe, True, repeat)
     t_miss_keep = _best_miss(w, recipe, False, repeat)
     cache.quant_and_release(w, recipe)  # the miss; every call below is a hit
@@ -79,19 +79,34 @@ def time_op(shape, recipe, repeat):
     }
 
 
-def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
-    """Trains an MLP of `layers` dim x dim weights; returns the best step time and the best
-    restore time at the boundary (attach's pre-hook, with `fill`), each over `steps` steps after
-    one warm-up."""
+def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
+    """Trains an MLP of `layers` dim x dim weights with the given boundary ("master" or
+    "dequant", see the module doc); returns the best step time and the best restore time, each
+    over `steps` steps after one warm-up."""
     torch.manual_seed(0)
     rcp = get_recipe(recipe)
     lins = [torch.nn.Linear(dim, dim, bias=False, dtype=BF16) for _ in range(layers)]
     ws = [l.weight for l in lins]
-    opt = MasterWeights(torch.optim.AdamW, ws, lr=1e-3)
     marks = {}
-    opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("pre", time.perf_counter()))
-    attach(opt, fill=fill)  # its pre-hook (restore_all) runs between the two marks
-    opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("post", time.perf_counter()))
+
+    def timed(label, fn):
+        def run_timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks[label] = time.perf_counter() - t0
+        return run_timed
+
+    if boundary == "master":
+        opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3))
+        opt._write_back = timed("restore", opt._write_back)  # the write-back is the restore
+    else:
+        opt = torch.optim.AdamW(ws, lr=1e-3)
+        opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("pre", time.perf_counter()))
+        attach(opt, fill=boundary)  # its pre-hook (the restore) runs between the two marks
+        opt.register_step_pre_hook(
+            lambda o, a, k: marks.__setitem__("restore", time.perf_counter() - marks["pre"]))
     xs = [torch.randn(tokens, dim, dtype=BF16) for _ in range(micro)]
     best_step = best_restore = float("inf")
     released = 0
@@ -110,7 +125,7 @@ def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
         t = time.perf_counter() - t0
         if s > 0:  # the first step allocates the optimizer state
             best_step = min(best_step, t)
-            best_restore = min(best_restore, marks["post"] - marks["pre"])
+            best_restore = min(best_restore, marks["restore"])
     cache.cache_clear()
     return {
         "step_ms": best_step * 1e3,
@@ -118,6 +133,9 @@ def time_step(recipe, dim, layers, tokens, micro, steps, fill="empty"):
         "restore_fraction": best_restore / best_step,
         "released_bytes": released,
     }
+
+
+BOUNDARIES = ("master", "dequant")
 
 
 def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens=32,
@@ -130,12 +148,12 @@ def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens
         "op": {},
         "step": {},
         "mlp": {"dim": dim, "layers": layers, "tokens": tokens, "microbatches": micro,
-                "optimizer": "MasterWeights(AdamW)"},
+                "optimizer": "AdamW (in MasterWeights for the master boundary)"},
     }
     for recipe in cache.RECIPES:
         out["op"][recipe] = {f"{n}x{k}": time_op((n, k), recipe, repeat) for n, k in sizes}
-        out["step"][recipe] = {fill: time_step(recipe, dim, layers, tokens, micro, steps, fill)
-                               for fill in ("empty", "dequant")}
+        out["step"][recipe] = {b: time_step(recipe, dim, layers, tokens, micro, steps, b)
+                               for b in BOUNDARIES}
     return out
 
 
@@ -170,13 +188,13 @@ def main(argv=None) -> None:
                      "miss keep ms", "keep/bare", "hit us", "hit/bare"], rows)
     print("  (miss: quantize + insert + release; miss keep: release=False; hit: cached planes)")
     mlp = r["mlp"]
-    print(f"\nrestore at the optimizer boundary (attach's pre-hook: restore_all) vs a whole "
+    print(f"\nrestore at the optimizer boundary vs a whole "
           f"training step: MLP of {mlp['layers']} x {mlp['dim']}x{mlp['dim']} weights, "
           f"{mlp['microbatches']} microbatches x {mlp['tokens']} tokens, {mlp['optimizer']}")
     rows = [[recipe, fill, s["step_ms"], s["restore_ms"], f"{100 * s['restore_fraction']:.3g}%",
              s["released_bytes"]]
             for recipe, by_fill in r["step"].items() for fill, s in by_fill.items()]
-    print_table("", ["recipe", "fill", "step ms", "restore ms", "of step", "released bytes"],
-                rows)
-    print("  (\"empty\" only re-allocates: MasterWeights' copy then writes every weight, in the "
-          "step; \"dequant\" also fills from the FP8 copy)")
+    print_table("", ["recipe", "boundary", "step ms", "restore ms", "of step",
+                     "released bytes"], rows)
+    print("  (master: MasterWeights' write-back, bf16 of every FP32 master into fresh bytes; "
+          "dequant: AdamW's own weights filled from their FP8 copies in the pre-hook)")
