@@ -18,6 +18,9 @@
 //
 // Verified only on CPU, against stand-in npu:: operators built from the documented semantics
 // (tests/npu); nothing here has run on an NPU (docs/npu.md).
+//
+// This file registers nothing: mx_npu_registration.cpp registers these kernels for PrivateUse1,
+// npu_test_ops.cpp for the CPU key of its mirror namespace (CMakeLists.txt, zrw_npu_adapter).
 #include "mx_npu.h"
 
 #include <ATen/ATen.h>
@@ -314,5 +317,3 @@ void impl_mx_npu_kernels(torch::Library& m) {
 }
 
 }  // namespace zrw::npu
-
-TORCH_LIBRARY_IMPL(zrw, PrivateUse1, m) { zrw::npu::impl_mx_npu_kernels(m); }
