@@ -1,4 +1,5 @@
-"""Thin driver of CMake: configure, build and place zrw._C next to the Python package.
+"""Thin driver of CMake: configure, build and place zrw._C next to the Python package (and, with
+ZRW_TEST_OPS on, the default, the test-only libzrw_npu_test_ops in build/test_ops/, outside it).
 
 Everything about the build graph lives in CMakeLists.txt. This file only passes what Python
 knows: torch's include and library directories, its C++ ABI flag, whether it has CUDA and
@@ -37,7 +38,8 @@ class CMakeBuild(build_ext):
 
 def cmake_args(out_dir, cfg: str = "Release") -> list:
     """The -D arguments of the CMake configure step: what only Python knows, plus the ZRW_CUDA /
-    ZRW_NPU options from the environment. A function so that tests can configure with them."""
+    ZRW_NPU / ZRW_TEST_OPS options from the environment. A function so that tests can configure
+    with them."""
     try:
         import torch
         from torch.utils import cpp_extension
@@ -57,7 +59,7 @@ def cmake_args(out_dir, cfg: str = "Release") -> list:
         f"-DZRW_TORCH_NPU={_torch_npu_version()}",
         f"-DZRW_OUTPUT_DIR={out_dir}",
     ]
-    for opt in ("ZRW_CUDA", "ZRW_NPU"):
+    for opt in ("ZRW_CUDA", "ZRW_NPU", "ZRW_TEST_OPS"):
         if os.environ.get(opt):
             args.append(f"-D{opt}={os.environ[opt]}")
     return args

@@ -18,6 +18,10 @@
 //
 // Verified only on CPU, against stand-in npu:: operators built from the documented semantics
 // (tests/npu); nothing here has run on an NPU (docs/npu.md).
+//
+// This file registers nothing: zrw._C registers these kernels for PrivateUse1
+// (mx_npu_registration.cpp), and the test library for the CPU key of its mirror namespace
+// (npu_test_ops.cpp); both link the same compiled code (CMakeLists.txt, zrw_npu_adapter).
 #include "mx_npu.h"
 
 #include <ATen/ATen.h>
@@ -314,5 +318,3 @@ void impl_mx_npu_kernels(torch::Library& m) {
 }
 
 }  // namespace zrw::npu
-
-TORCH_LIBRARY_IMPL(zrw, PrivateUse1, m) { zrw::npu::impl_mx_npu_kernels(m); }

@@ -1,6 +1,13 @@
 // Test-only entry points to the NPU adapter: the namespace zrw_npu_test (not zrw's API; zrw's one
 // TORCH_LIBRARY(zrw, m) stays in registration.cpp). tests/npu drives them on CPU tensors.
 //
+// Where they live. This file is compiled into its own library, libzrw_npu_test_ops.so, never into
+// zrw._C: `import zrw` registers no zrw_npu_test op. CMake builds it with the adapter's object files
+// (zrw_npu_adapter, the very code linked into _C, which registers nothing itself) when ZRW_TEST_OPS
+// is ON, the default, into build/test_ops/ of the source tree, outside the package a wheel ships;
+// the tests load it with torch.ops.load_library (tests/npu/npu_test_ops.py), as PyTorch's tests
+// load theirs.
+//
 // Why a mirror namespace. The adapter's kernels are registered for PrivateUse1, and CPU tensors
 // never dispatch there. The alternatives reach that key but not the adapter's code as it runs:
 //  - a fake PrivateUse1 device (torch.utils.rename_privateuse1_backend plus an allocator and

@@ -1,13 +1,14 @@
 """Fixtures of the NPU adapter tests: stand-in torch_npu operators, one fixture per schema variant.
 
 The adapter's kernels are reached on CPU through the test-only mirror namespace
-``torch.ops.zrw_npu_test`` (same kernel functions, CPU key; csrc/npu/npu_test_ops.cpp says why).
+``torch.ops.zrw_npu_test`` (same kernel functions, CPU key; csrc/npu/npu_test_ops.cpp says why),
+which the test library libzrw_npu_test_ops defines, not zrw._C (npu_test_ops.py loads it).
 """
 
 import pytest
-import torch
 
-import zrw  # noqa: F401  (loads zrw._C: the zrw and zrw_npu_test ops)
+import npu_test_ops
+import zrw  # noqa: F401  (loads zrw._C: the zrw ops)
 from npu_standins import SCHEMAS, StandIns
 
 VARIANTS = ("26.0.0", "current")
@@ -30,5 +31,5 @@ def npu_current():
 
 @pytest.fixture
 def adapter():
-    """The adapter's kernels, as CPU ops of the mirror namespace."""
-    return torch.ops.zrw_npu_test
+    """The adapter's kernels, as CPU ops of the mirror namespace (loads the test library)."""
+    return npu_test_ops.load()

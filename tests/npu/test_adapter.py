@@ -7,13 +7,22 @@ and both fp8 formats, under the 26.0.0 and the current schemas (the ``npu_ops`` 
 
 The adapter's kernels are reached through ``torch.ops.zrw_npu_test``: the same C++ functions that
 zrw registers for PrivateUse1, registered for CPU in a mirror namespace (csrc/npu/npu_test_ops.cpp
-says why). The last tests check that mirror against zrw's own registrations.
+says why) by the test library libzrw_npu_test_ops, which zrw does not ship (npu_test_ops.py loads
+it; the ``adapter`` fixture). The last tests check that mirror against zrw's own registrations, and
+that the mirror stays out of ``import zrw``.
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import zrw  # noqa: F401
+import npu_test_ops
+import zrw
 from npu_standins import torch_npu_loaded
 from zrw import reference as ref
 
@@ -315,7 +324,7 @@ def test_zrw_ops_have_npu_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"zrw::{op}", "PrivateUse1"), op
 
 
-def test_mirror_schemas_are_zrw_schemas():
+def test_mirror_schemas_are_zrw_schemas(adapter):
     for op in MX_OPS:
         mirror = str(torch._C._get_schema(f"zrw_npu_test::{op}", ""))
         zrw_schema = str(torch._C._get_schema(f"zrw::{op}", ""))
@@ -341,3 +350,52 @@ def test_the_npu_key_reaches_the_adapter(op):
         with pytest.raises(RuntimeError, match=r"calls torch_npu's operator npu::npu_\w+, which is "
                                                r"not registered.*26\.0\.0"):
             getattr(torch.ops.zrw, op)(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# the mirror lives in the test library only
+
+# Run in a fresh process: what `import zrw` registers, then what loading the test library changes.
+REGISTRATIONS = """
+import json, sys
+import torch, zrw
+
+def registered():
+    names = torch._C._dispatch_get_all_op_names()
+    return {n: torch._C._dispatch_dump(n) for n in names if n.split("::")[0] in ("zrw", "zrw_npu_test")}
+
+before = registered()
+torch.ops.load_library(sys.argv[1])
+after = registered()
+print(json.dumps({"zrw": zrw.__file__, "before": before, "after": after}))
+"""
+
+
+@pytest.fixture(scope="module")
+def registrations(tmp_path_factory):
+    assert npu_test_ops.LIBRARY.exists(), "the test library is not built (npu_test_ops.py)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(zrw.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    r = subprocess.run([sys.executable, "-c", REGISTRATIONS, str(npu_test_ops.LIBRARY)],
+                       cwd=tmp_path_factory.mktemp("fresh"), env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["zrw"] == zrw.__file__  # the zrw under test, not another install
+    return out
+
+
+def test_import_zrw_registers_no_test_ops(registrations):
+    before = registrations["before"]
+    assert {f"zrw::{op}" for op in MX_OPS} <= set(before)
+    assert not [name for name in before if name.startswith("zrw_npu_test::")]
+
+
+def test_the_test_library_adds_the_mirror_and_nothing_else(registrations):
+    before, after = registrations["before"], registrations["after"]
+    mirror = {name for name in after if name.startswith("zrw_npu_test::")}
+    assert {f"zrw_npu_test::{op}" for op in MX_OPS} <= mirror
+    # zrw's kernels are registered once, by zrw._C: the library registers none again (a second
+    # PrivateUse1 kernel would show in the dump, the first one as "inactive").
+    assert {name: after[name] for name in before} == before
+    assert set(after) == set(before) | mirror

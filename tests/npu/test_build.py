@@ -1,4 +1,5 @@
-"""The ZRW_NPU option: AUTO skips the native target _C_npu here, ON says what is missing.
+"""The ZRW_NPU option: AUTO skips the native target _C_npu here, ON says what is missing; the
+ZRW_TEST_OPS option: the test library is built by default, outside the package.
 
 Runs CMake's configure step only, in a temporary build directory, with the -D arguments setup.py
 passes (``cmake_args`` from setup.py), so the decision tested is the one a real build makes.
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import npu_test_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +44,8 @@ def configure(tmp_path_factory):
     only the first pays for compiler detection."""
     build_dir = tmp_path_factory.mktemp("zrw_cmake")
     base_env = {k: v for k, v in os.environ.items()
-                if k not in ("ZRW_NPU", "ZRW_CUDA", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")}
+                if k not in ("ZRW_NPU", "ZRW_CUDA", "ZRW_TEST_OPS", "ASCEND_TOOLKIT_HOME",
+                             "ASCEND_HOME_PATH")}
     args = setup_py().cmake_args(build_dir / "out")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
 
@@ -102,6 +106,17 @@ def test_invalid_value(configure):
     r = configure(ZRW_NPU="YES")
     assert r.returncode != 0
     assert "ZRW_NPU must be AUTO, ON or OFF, got 'YES'" in " ".join(r.stderr.split())
+
+
+def test_the_test_library_is_on_by_default_and_outside_the_package(configure):
+    # ON by default (the CI command sets nothing), into the directory the tests load it from.
+    r = configure(ZRW_NPU="OFF")  # the build dir caches the last ZRW_NPU, which may be invalid
+    assert r.returncode == 0, r.stderr
+    assert ("zrw: test library libzrw_npu_test_ops (namespace zrw_npu_test): built into "
+            f"{npu_test_ops.LIBRARY.parent} (ZRW_TEST_OPS=ON)") in r.stdout
+    r = configure(ZRW_NPU="OFF", ZRW_TEST_OPS="OFF")
+    assert r.returncode == 0, r.stderr
+    assert "zrw: test library libzrw_npu_test_ops: skipped (ZRW_TEST_OPS=OFF" in r.stdout
 
 
 def test_found_cann_and_torch_npu_build_the_target(configure, tmp_path):

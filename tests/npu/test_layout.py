@@ -9,10 +9,11 @@ golden-style Python of the stand-ins, and as round trips to the canonical float8
 import pytest
 import torch
 
+import npu_test_ops
 from npu_standins import golden_pair, golden_unpair
 
 E8M0 = torch.float8_e8m0fnu
-ops = torch.ops.zrw_npu_test
+ops = npu_test_ops.load()  # the test library's zrw_npu_test ops
 
 # (canonical scale shape, blocked dim): aligned (even block counts), odd block counts, a single
 # block, 3-d along each axis, and the shapes of the worked cases (M, K/32) and (M/32, K).
