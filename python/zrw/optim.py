@@ -175,6 +175,15 @@ class MasterWeights(torch.optim.Optimizer):
                     g = p.grad
                 m.grad = None if g is None else g.to(torch.float32)
 
+    def _drop_stale_copies(self) -> None:
+        """Before the inner step: the FP8 copies of parameters that kept their BF16 storage are
+        dead weight (the step changes those parameters), so they go now, not at the write-back;
+        released parameters keep theirs until the write-back restores them."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, state in zip(params, cache.cache_states(params)):
+            if state == 1:
+                cache.cache_invalidate(p)
+
     def _write_back(self) -> None:
         """Every parameter gets bf16(master): released ones are restored from their master."""
         params = [p for g in self.param_groups for p in g["params"]]
@@ -184,6 +193,7 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._push_hyperparameters()
+        self._drop_stale_copies()
         try:
             if closure is None:
                 self._grads_to_masters()
