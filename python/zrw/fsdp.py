@@ -1,7 +1,8 @@
 """FSDP2 with an MXFP8 all-gather (DESIGN.md §7; the RFC rfc_fsdp_mxfp8_32x32).
 
-`prepare(model)` wraps the weight of every converted layer (zrw.nn.MXLinear, MXFusedExperts) in
-`PreQuantWeight`, a tensor subclass implementing FSDP2's all-gather extension
+`prepare(model)` wraps the weights of every layer that declares what it quantizes (a
+`zrw_quantized` tuple of parameter names and a `recipe`, as zrw.nn.MXLinear, MXGroupedLinear and
+MXFusedExperts do) in `PreQuantWeight`, a tensor subclass implementing FSDP2's all-gather extension
 (`fsdp_pre_all_gather` in its 5-argument form, `fsdp_post_all_gather`). Call it after
 zrw.convert and before `torch.distributed.fsdp.fully_shard` (FSDP2 looks the extension up when it
 shards a parameter; prepare() on an already sharded model raises).
@@ -22,8 +23,9 @@ A shard that does not hold whole 32-row blocks (rows per rank not a multiple of 
 sharding) falls back, with a warning naming the weight, to gathering the param-dtype shard and
 quantizing after the gather: correct, but that weight then exists unsharded in BF16.
 
-The gathered weight is an `MXGatheredWeight`: shape and dtype of the unsharded parameter, data
-held as the MX planes; the zrw layers read the planes, any other use raises.
+The gathered weight is an `MXGatheredWeight`, a zrw.planes.MXPlanesCarrier: shape and dtype
+of the unsharded parameter, data held as the MX planes; the zrw layers read the planes
+(`mx_weight`), any other use raises. zrw.fsdp imports no layer and no layer imports it.
 """
 from __future__ import annotations
 
@@ -37,9 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from . import ops
-from . import planes
-from . import cache
+from . import cache, ops, optim, planes
 from .config import get_recipe
 
 __all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "count_all_gather_bytes",
@@ -54,9 +54,12 @@ _lock = threading.Lock()
 
 
 def clear_shard_cache() -> None:
-    """Drop every cached shard quantization (called by zrw.optim at the optimizer boundary)."""
+    """Drop every cached shard quantization (run at every zrw optimizer boundary)."""
     for w in list(_live):
         w._zrw_planes = None
+
+
+_boundary_handle = optim.register_boundary_callback(lambda opt: clear_shard_cache())
 
 
 def shard_quantizations() -> int:
@@ -291,11 +294,12 @@ def _block_planes(data: Tensor, block: Tensor, outer_size) -> Dict[str, Tensor]:
             "bwd_scale": ops.expand_block_scale(block, outer_size, -2).contiguous()}
 
 
-class MXGatheredWeight(torch.Tensor):
+class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
     """The unsharded weight FSDP2 hands to a zrw layer: the gathered MX planes, no BF16 data.
 
     It has the parameter's shape and dtype for autograd's sake; zrw's layers read its planes
-    (`mx_weight()`), and any other operation on it raises an error naming the weight.
+    (`mx_weight()`, the MXPlanesCarrier interface), and any other operation on it raises an
+    error naming the weight.
     """
 
     @staticmethod
@@ -318,6 +322,10 @@ class MXGatheredWeight(torch.Tensor):
         return (f"MXGatheredWeight({self._zrw_name!r}, {tuple(self.shape)}, "
                 f"recipe={self._zrw_recipe}, gathered={self._zrw_state['phase']})")
 
+    @property
+    def zrw_name(self) -> str:
+        return self._zrw_name
+
     def mx_weight(self, need: str) -> planes.MXWeight:
         """The planes as an MXWeight; `need` is "fwd" or "bwd", the plane the caller reads."""
         p = self._zrw_state["planes"]
@@ -327,8 +335,9 @@ class MXGatheredWeight(torch.Tensor):
                 f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
                 "zrw.fsdp.prepare(model, both_planes=True)")
-        return planes.MXWeight(self._zrw_recipe, planes.MXPlane(p["fwd_data"], p["fwd_scale"]),
-                            planes.MXPlane(p["bwd_data"], p["bwd_scale"]))
+        return planes.MXWeight(self._zrw_recipe,
+                               planes.MXPlane(p["fwd_data"], p["fwd_scale"]),
+                               planes.MXPlane(p["bwd_data"], p["bwd_scale"]))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -350,25 +359,21 @@ class MXGatheredWeight(torch.Tensor):
 
 
 def prepare(model: nn.Module, both_planes: bool = False) -> int:
-    """Wrap the weights of every converted zrw layer in PreQuantWeight; returns how many.
+    """Wrap the quantized weights of every zrw layer in PreQuantWeight; returns how many.
 
-    Call after zrw.convert and before fully_shard (the extension hooks are looked up when FSDP2
-    shards a parameter). both_planes=True gathers both mxfp8 planes in every gather: needed with
+    A zrw layer is a module that declares what it quantizes: `zrw_quantized`, the names of its
+    parameters, and `recipe`, its QuantRecipe (or a registered name); its forward must read a
+    zrw.planes.MXPlanesCarrier in those parameters' place (zrw.nn's layers do). Call after
+    zrw.convert and before fully_shard (the extension hooks are looked up when FSDP2 shards a
+    parameter). both_planes=True gathers both mxfp8 planes in every gather: needed with
     fully_shard(..., reshard_after_forward=False) and with activation recompute.
     """
-    from .nn.grouped import MXFusedExperts
-    from .nn.linear import MXLinear
-
     n = 0
     for mname, mod in model.named_modules():
-        if isinstance(mod, MXLinear):
-            names = ["weight"]
-            recipe = "mxfp8-32x32" if mod.recipe.block_32x32 else "mxfp8"
-        elif isinstance(mod, MXFusedExperts):
-            names = ["gate_up_proj", "down_proj"]
-            recipe = "mxfp8-32x32" if mod.recipe.block_32x32 else "mxfp8"
-        else:
+        names = getattr(mod, "zrw_quantized", None)
+        if not names:
             continue
+        recipe = "mxfp8-32x32" if get_recipe(mod.recipe).block_32x32 else "mxfp8"
         for pname in names:
             p = getattr(mod, pname)
             if isinstance(p, PreQuantWeight):

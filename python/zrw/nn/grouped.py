@@ -139,6 +139,8 @@ class MXGroupedLinear(NamedWeight, nn.Module):
     """A stack of E expert linears (E, out_features, in_features) on MXFP8, tokens grouped by
     expert: forward(x, counts) with x (T, in_features) grouped, counts[e] rows per expert."""
 
+    zrw_quantized = ("weight",)  # with self.recipe: what zrw.fsdp.prepare wraps (see MXLinear)
+
     def __init__(self, num_experts: int, in_features: int, out_features: int,
                  recipe: str | QuantRecipe = "mxfp8", release: bool = True, device=None,
                  dtype=None):
@@ -170,6 +172,9 @@ class MXFusedExperts(nn.Module):
     the routing semantics of the original forward: out[t] = sum over the token's top-k experts of
     weight * down(act(gate) * up).
     """
+
+    # With self.recipe: what zrw.fsdp.prepare wraps (see MXLinear).
+    zrw_quantized = ("gate_up_proj", "down_proj")
 
     def __init__(self, source: nn.Module, recipe: str | QuantRecipe = "mxfp8",
                  release: bool = True, release_frozen: bool = False, name: str = ""):

@@ -74,16 +74,14 @@ class _MXLinearFn(torch.autograd.Function):
 
 def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
                    name: Optional[str]) -> planes.MXWeight:
-    """The weight's MX planes: from FSDP2's MXFP8 all-gather when the weight is a gathered one
-    (bwd is None: it is read from the weight in backward, after FSDP2's re-gather), else from
-    the native cache."""
-    from ..fsdp import MXGatheredWeight
-
-    if isinstance(weight, MXGatheredWeight):
+    """The weight's MX planes: from the weight itself when it carries them (an MXPlanesCarrier,
+    e.g. FSDP2's MXFP8 all-gather; bwd is None: it is read from the weight in backward, after
+    FSDP2's re-gather), else from the native cache."""
+    if isinstance(weight, planes.MXPlanesCarrier):
         # FSDP2 frees the gathered planes at reshard and refills them at the backward
         # re-gather: backward must read them from the weight then, never keep forward's.
-        fwd = weight.mx_weight("fwd").fwd
-        return planes.MXWeight(weight._zrw_recipe, fwd, planes.MXPlane(None, None))
+        q = weight.mx_weight("fwd")
+        return planes.MXWeight(q.recipe, q.fwd, planes.MXPlane(None, None))
     return cache.quant_and_release(weight, cache_recipe(recipe), release,
                                  release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                  scale_mode=recipe.scale_mode, name=name)
@@ -187,6 +185,10 @@ class MXLinear(NamedWeight, nn.Linear):
     boundary (zrw.optim.attach) restores it. `main_grad=True` accumulates the weight gradient in
     FP32 into `weight.main_grad` instead of `.grad` (as Megatron does).
     """
+
+    # What this layer quantizes, with `self.recipe` (read by zrw.fsdp.prepare): these parameters
+    # may be replaced by a zrw.planes.MXPlanesCarrier (FSDP2's gathered weight).
+    zrw_quantized = ("weight",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: str | QuantRecipe = "mxfp8", release: bool = True,
