@@ -23,9 +23,10 @@ A shard that does not hold whole 32-row blocks (rows per rank not a multiple of 
 sharding) falls back, with a warning naming the weight, to gathering the param-dtype shard and
 quantizing after the gather: correct, but that weight then exists unsharded in BF16.
 
-The gathered weight is an `MXGatheredWeight`, a zrw.planes.MXPlanesCarrier: shape and dtype
-of the unsharded parameter, data held as the MX planes; the zrw layers read the planes
-(`mx_weight`), any other use raises. zrw.fsdp imports no layer and no layer imports it.
+Both carry the layer's QuantRecipe: its element dtype and scale rule are the ones the shard is
+quantized with. The gathered weight is an `MXGatheredWeight`, a zrw.planes.MXPlanesCarrier:
+shape and dtype of the unsharded parameter, data held as the MX planes; the zrw layers read the
+planes (`mx_weight`), any other use raises. zrw.fsdp imports no layer and no layer imports it.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from . import cache, ops, optim, planes
-from .config import get_recipe
+from .config import QuantRecipe, get_recipe
 
 __all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "count_all_gather_bytes",
            "clear_shard_cache", "shard_quantizations"]
@@ -62,6 +63,11 @@ def clear_shard_cache() -> None:
 _boundary_handle = optim.register_boundary_callback(lambda opt: clear_shard_cache())
 
 
+def _layout(recipe: QuantRecipe) -> str:
+    """The weight layout a recipe quantizes to (MXWeight.recipe): one 32x32 copy or two planes."""
+    return "mxfp8-32x32" if recipe.block_32x32 else "mxfp8"
+
+
 def shard_quantizations() -> int:
     """How many times a shard has been quantized in this process (for tests and benchmarks)."""
     return _quantize_count["n"]
@@ -79,16 +85,18 @@ _PRESERVED = {
 
 
 class PreQuantWeight(torch.Tensor):
-    """A weight (the FP32 / param-dtype master under FSDP2) that all-gathers as MXFP8."""
+    """A weight (the FP32 / param-dtype master under FSDP2) that all-gathers as MXFP8, quantized
+    with `recipe` (the layer's QuantRecipe: layout, element dtype, scale rule)."""
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, recipe: str, name: str, both_planes: bool = False):
+    def __new__(cls, tensor: Tensor, recipe: QuantRecipe, name: str, both_planes: bool = False):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
             requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: Tensor, recipe: str, name: str, both_planes: bool = False):
+    def __init__(self, tensor: Tensor, recipe: QuantRecipe, name: str,
+                 both_planes: bool = False):
         self._tensor = tensor
         self._zrw_recipe = recipe
         self._zrw_name = name
@@ -98,7 +106,7 @@ class PreQuantWeight(torch.Tensor):
         _live.add(self)
 
     def __repr__(self) -> str:
-        return (f"PreQuantWeight({self._zrw_name!r}, recipe={self._zrw_recipe}, "
+        return (f"PreQuantWeight({self._zrw_name!r}, recipe={self._zrw_recipe.name}, "
                 f"shard={tuple(self._tensor.shape)}, {self._tensor.dtype})")
 
     def __tensor_flatten__(self):
@@ -150,7 +158,7 @@ class PreQuantWeight(torch.Tensor):
         cached = self._zrw_planes
         if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
             return cached[2]
-        rcp = get_recipe(self._zrw_recipe)
+        rcp = self._zrw_recipe
         shard = self._tensor.detach().to(param_dtype)
         if rcp.block_32x32:
             planes = list(ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode))
@@ -187,8 +195,7 @@ class PreQuantWeight(torch.Tensor):
                 shard = torch.cat([shard, pad])
             return (shard,), ("fallback", tuple(outer_size))
         planes = self._quantized_shard(param_dtype)
-        recipe = self._zrw_recipe
-        if recipe == "mxfp8-32x32":
+        if self._zrw_recipe.block_32x32:
             data, block = planes
             inputs, phase = (data, block), "block"
         elif self._zrw_both_planes:
@@ -211,7 +218,7 @@ class PreQuantWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         phase, outer_size = metadata[0], metadata[1]
-        rcp = get_recipe(self._zrw_recipe)
+        rcp = self._zrw_recipe
         elem = rcp.elem_dtype
         e8 = torch.float8_e8m0fnu
         inner: List[Tensor] = []
@@ -299,15 +306,15 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     It has the parameter's shape and dtype for autograd's sake; zrw's layers read its planes
     (`mx_weight()`, the MXPlanesCarrier interface), and any other operation on it raises an
-    error naming the weight.
+    error naming the weight. `_zrw_recipe` is the QuantRecipe the planes were quantized with.
     """
 
     @staticmethod
-    def __new__(cls, size, dtype, device, recipe, name, requires_grad=False):
+    def __new__(cls, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
         return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device,
                                                    requires_grad=requires_grad)
 
-    def __init__(self, size, dtype, device, recipe, name, requires_grad=False):
+    def __init__(self, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
         self._zrw_recipe = recipe
         self._zrw_name = name
         # Shared by every alias (FSDP2 wraps the object in an nn.Parameter, a detached alias, and
@@ -320,7 +327,7 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     def __repr__(self) -> str:
         return (f"MXGatheredWeight({self._zrw_name!r}, {tuple(self.shape)}, "
-                f"recipe={self._zrw_recipe}, gathered={self._zrw_state['phase']})")
+                f"recipe={self._zrw_recipe.name}, gathered={self._zrw_state['phase']})")
 
     @property
     def zrw_name(self) -> str:
@@ -335,7 +342,7 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
                 f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
                 "zrw.fsdp.prepare(model, both_planes=True)")
-        return planes.MXWeight(self._zrw_recipe,
+        return planes.MXWeight(_layout(self._zrw_recipe),
                                planes.MXPlane(p["fwd_data"], p["fwd_scale"]),
                                planes.MXPlane(p["bwd_data"], p["bwd_scale"]))
 
@@ -373,7 +380,7 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
         names = getattr(mod, "zrw_quantized", None)
         if not names:
             continue
-        recipe = "mxfp8-32x32" if get_recipe(mod.recipe).block_32x32 else "mxfp8"
+        recipe = get_recipe(mod.recipe)
         for pname in names:
             p = getattr(mod, pname)
             if isinstance(p, PreQuantWeight):

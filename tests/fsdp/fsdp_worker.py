@@ -76,9 +76,30 @@ def count_gathered_bytes():
             setattr(ProcessGroup, meth, orig)
 
 
+# Registered recipes that differ from the built-ins only in element dtype and scale rule: what
+# FSDP2's all-gather must keep (the layer's QuantRecipe, not its layout's built-in recipe).
+TEST_RECIPES = {"test-e5m2-rceil": (1, 1, 32), "test-e5m2-rceil-32x32": (1, 32, 32)}
+
+
+def register_test_recipes():
+    from zrw.config import (QuantRecipe, ScalingGranularity, ScalingGranularityEnum,
+                            known_recipes, recipe_register)
+
+    def mx(block):
+        return ScalingGranularity(ScalingGranularityEnum.MX, list(block))
+
+    for name, block in TEST_RECIPES.items():
+        if name in known_recipes():
+            continue
+        recipe_register(name)(lambda name=name, block=block: QuantRecipe(
+            name=name, weight_granularity=mx(block), act_granularity=mx((1, 1, 32)),
+            grad_granularity=mx((1, 1, 32)), elem_dtype=torch.float8_e5m2, scale_mode="rceil"))
+
+
 def build(args):
     import zrw
 
+    register_test_recipes()
     torch.manual_seed(0)
     model = Net(args.d, args.hidden, args.experts, args.moe)
     with torch.no_grad():

@@ -1,0 +1,70 @@
+"""FSDP2's MXFP8 all-gather quantizes with the layer's own QuantRecipe: a registered recipe's
+element dtype (e5m2) and scale rule (rceil) reach the hooks, for both weight layouts.
+
+Real 2-rank runs (gloo on CPU) of tests/fsdp/fsdp_worker.py, compared as tests/fsdp/test_fsdp.py
+does: bitwise with FSDP2's plain BF16 all-gather of the same model (whose layers quantize the
+gathered weight with their recipe), the gathered planes byte for byte with the single-process
+quantization of the full weight under the recipe, and the single-process run up to the order
+of the gradient reduction."""
+import os
+import sys
+
+import pytest
+import torch
+
+import zrw
+
+import ranks
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fsdp_worker  # noqa: E402
+import test_fsdp  # noqa: E402
+
+WORKER = fsdp_worker.__file__
+pytestmark = pytest.mark.slow  # three 2-rank launches per recipe: about 25 s each
+ARGS = ["--steps", "2", "--micro-batches", "1", "--opt", "sgd", "--lr", "0.5"]
+
+
+@pytest.mark.parametrize("recipe", list(fsdp_worker.TEST_RECIPES))
+def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
+    fsdp_worker.register_test_recipes()
+    rcp = zrw.get_recipe(recipe)
+    assert (rcp.elem_dtype, rcp.scale_mode) == (torch.float8_e5m2, "rceil")
+    args = ["--recipe", recipe, *ARGS]
+    z = ranks.launch(WORKER, tmp_path, *args, "--mode", "zrw")
+    b = ranks.launch(WORKER, tmp_path, *args, "--mode", "bf16")
+    s = test_fsdp.single(tmp_path, *args)
+
+    # The gathered planes are the recipe's quantization of the full weight, byte for byte (and
+    # not the built-in e4m3/floor recipe's: the comparison can tell them apart).
+    for name in ("fc1", "fc2"):
+        got = z["planes"][name]
+        w = test_fsdp.initial_weight(f"{name}.weight", args)
+        if rcp.block_32x32:
+            data, block = zrw.ops.mx_quantize_block(w, rcp.elem_dtype, rcp.scale_mode)
+            ref = {"fwd_data": data,
+                   "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
+                   "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2)}
+            builtin = zrw.ops.mx_quantize_block(w)[0]
+        else:
+            data, scale = zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2]
+            ref = {"fwd_data": data, "fwd_scale": scale}
+            builtin = zrw.ops.mx_quantize_dual(w)[0]
+        assert got["fwd_data"].shape == builtin.shape
+        assert not torch.equal(got["fwd_data"], builtin.view(torch.uint8))
+        for k, v in ref.items():
+            assert torch.equal(got[k], v.contiguous().view(torch.uint8)), (name, k)
+
+    # Training: bitwise the FSDP2 run that gathers BF16 and quantizes with the layer's recipe.
+    assert z["losses"] == b["losses"]
+    for n in z["weights"]:
+        assert torch.equal(z["weights"][n], b["weights"][n]), n
+    # ... and the single-process run with the same recipe, up to the gradients' reduction order
+    # (see test_fsdp.test_fp8_all_gather_matches_single_process_and_halves_bytes).
+    assert abs(z["losses"][0] - s["losses"][0]) <= 1e-6 * abs(s["losses"][0])
+    torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(s["losses"]),
+                               rtol=1e-2, atol=0)
+    for n, w in z["weights"].items():
+        moved = (s["weights"][n] - test_fsdp.initial_weight(n, args).float()).abs().max()
+        assert (w - s["weights"][n]).abs().max() <= 0.05 * moved, n
+    assert z["warnings"] == []
