@@ -256,3 +256,15 @@ def test_get_recipe_checks_what_a_factory_returns(isolated_registry):
         ),
     ):
         get_recipe("not-a-recipe")
+
+
+def test_scale_modes_have_one_source():
+    # The recipe check, the fake kernels and the wrappers all use the names the C++ extension
+    # exports (csrc/common/names.h), so a new scale rule cannot be known to one and not the others.
+    import zrw._fake
+    import zrw.config
+    import zrw.ops
+
+    assert zrw.config.SCALE_MODES is zrw.ops.SCALE_MODES
+    assert zrw._fake.SCALE_MODES is zrw.ops.SCALE_MODES
+    assert zrw.ops.SCALE_MODES == tuple(zrw._C.scale_modes()) == ("floor", "rceil")

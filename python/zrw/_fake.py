@@ -5,6 +5,8 @@ mirrors the layout contract of the CPU kernel it stands for (see zrw.ops).
 """
 import torch
 
+from .ops import SCALE_MODES
+
 BLOCK = 32
 
 
@@ -23,7 +25,6 @@ def _scale_shape(shape, dim: int):
 # graph that fails later or mis-sizes an output.
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_MODES = ("floor", "rceil")
 
 
 def _check_devices(op: str, **tensors) -> None:
@@ -48,8 +49,9 @@ def _check_elem(op: str, arg: str, dtype) -> None:
 
 
 def _check_mode(op: str, mode: str) -> None:
-    if mode not in _MODES:
-        raise ValueError(f'{op}: scale_mode must be "floor" or "rceil", got "{mode}"')
+    if mode not in SCALE_MODES:
+        names = " or ".join(f'"{m}"' for m in SCALE_MODES)
+        raise ValueError(f'{op}: scale_mode must be {names}, got "{mode}"')
 
 
 def _check_out_dtype(op: str, dtype) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import SCALE_MODES  # the scale rules the kernels know (one source: the C++ extension)
+
 __all__ = [
     "MX_BLOCK_1x32",
     "MX_BLOCK_32x32",
@@ -34,7 +36,6 @@ MX_BLOCK_32x32 = (1, 32, 32)
 MX_BLOCK_SIZES = (MX_BLOCK_1x32, MX_BLOCK_32x32)
 
 ELEM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-SCALE_MODES = ("floor", "rceil")
 
 
 class ScalingGranularityEnum(enum.Enum):
