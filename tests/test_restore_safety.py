@@ -380,3 +380,26 @@ def test_concurrent_zrw_calls_on_other_threads_keep_entries_consistent():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_intact(tmp_path,
+                                                                                    recipe):
+    # state_dict() of a converted layer refuses while its weight is released, before torch.save
+    # opens (and truncates) the file: the previous checkpoint stays as it was.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=BF16),
+                                torch.nn.Linear(64, 32, dtype=BF16))
+    zrw.convert(model, recipe, skip=())
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)
+    old = path.read_bytes()
+    model(torch.randn(4, 64).to(BF16)).float().sum().backward()
+    assert cache.is_released(model[0].weight)
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) of '0': weight\(s\) '0\.weight' are "
+                                           r"released.*nothing was returned or written"):
+        torch.save(model.state_dict(), path)
+    assert path.read_bytes() == old
+    cache.restore_all("dequant")
+    torch.save(model.state_dict(), path)  # restored: an ordinary state dict again
+    assert path.read_bytes() != old

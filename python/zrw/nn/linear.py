@@ -168,6 +168,28 @@ class NamedWeight:
         restamp_names(self, {"weight": self.__dict__.get("_zrw_layer_name")})
 
 
+class ReleasedWeightsRefuseStateDict:
+    """A zrw layer refuses `state_dict()` while one of its quantized parameters
+    (`zrw_quantized`) is released: it raises a named error before anything is returned, so a
+    `torch.save(model.state_dict(), path)` fails before it opens (and truncates) `path`, instead
+    of failing half-way through writing the file on the release poison."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        params = [self._parameters.get(n) for n in self.zrw_quantized]
+        params = [p for p in params if isinstance(p, torch.Tensor)]
+        released = [p for p, st in zip(params, cache.cache_states(params)) if st >= 2]
+        if released:
+            names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in released)
+            raise RuntimeError(
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': weight(s) "
+                f"{names} are released (zero-redundancy weights: only their MXFP8 copies live "
+                "between the first forward of a step and the optimizer step); nothing was "
+                "returned or written. Take the state dict after the optimizer step, or restore "
+                "the weights first with zrw.cache.restore_all('master') (exact with "
+                "zrw.optim.MasterWeights)")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
 def restamp_names(module: nn.Module, names: dict) -> None:
     """Set each named parameter's zrw name (zrw.cache.set_weight_name), where both exist."""
     for pname, name in names.items():
@@ -176,7 +198,7 @@ def restamp_names(module: nn.Module, names: dict) -> None:
             cache.set_weight_name(param, name)
 
 
-class MXLinear(NamedWeight, nn.Linear):
+class MXLinear(NamedWeight, ReleasedWeightsRefuseStateDict, nn.Linear):
     """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights.
 
     The weight (and bias) are ordinary parameters — same objects, same state_dict keys — but the
