@@ -81,8 +81,9 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
             if hit is not None:
                 summary.skipped[name] = f"skipped (name matches {hit!r})"
                 continue
-            weights = ([("weight", child.weight)] if is_linear else
-                       [("gate_up_proj", child.gate_up_proj), ("down_proj", child.down_proj)])
+            # The replacement keeps the source's parameters: those it declares it quantizes.
+            layer_cls = MXLinear if is_linear else MXFusedExperts
+            weights = [(pname, getattr(child, pname)) for pname in layer_cls.zrw_quantized]
             shared = [w for _, w in weights if id(w) in tied]
             layer_release = release and not shared
             if shared:
