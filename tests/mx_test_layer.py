@@ -1,5 +1,5 @@
-"""What the cache and optimizer tests share: a minimal MX linear built only on zrw.ops, and the
-fixture that gives every test an empty cache.
+"""What the cache and optimizer tests share: a minimal MX linear built only on zrw.ops, the
+fixture that gives every test an empty cache, and bitwise comparison and parameter helpers.
 
 It is deliberately not zrw.nn.MXLinear: the cache tests (issue 3) check the native cache and the
 optimizer boundary on their own, with nn.Linear weights used through quant_and_release.
@@ -31,6 +31,25 @@ def clean_cache():
     finally:
         gc.enable()
         cache.cache_clear()
+
+
+BF16 = torch.bfloat16
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def same_bits(a, b):
+    """Same shape, dtype and bytes."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def param(*shape, seed=0, requires_grad=True):
+    """A bf16 Parameter of randn values from its own generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(*shape, generator=g).to(BF16),
+                              requires_grad=requires_grad)
 
 
 class MXLinearFn(torch.autograd.Function):

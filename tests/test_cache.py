@@ -21,28 +21,12 @@ import zrw
 from zrw import cache, ops
 from zrw.optim import MasterWeights
 
-from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
+from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
 
 zrw.memory.install()
 
-BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 RELEASE_MSG = r"is released \(zero-redundancy weights"
-
-
-def param(*shape, seed=0, requires_grad=True):
-    g = torch.Generator().manual_seed(seed)
-    return torch.nn.Parameter(torch.randn(*shape, generator=g).to(BF16),
-                              requires_grad=requires_grad)
-
-
-def bits(t):
-    """Bitwise view for exact comparisons (NaN-safe, -0 != +0)."""
-    return t.contiguous().view(torch.uint8)
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def q_tensors(q):

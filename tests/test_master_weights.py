@@ -14,18 +14,9 @@ from torch.optim import lr_scheduler
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 
-from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
+from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
 
-BF16 = torch.bfloat16
 SHAPES = [(64, 32), (32, 64)]
-
-
-def bits(t):
-    return t.detach().contiguous().view(torch.uint8)
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def params(seed=0):

@@ -17,24 +17,9 @@ import zrw
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
 
-from mx_test_layer import MXLinearFn, clean_cache  # noqa: F401  (autouse fixture)
+from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
 
 zrw.memory.install()
-
-BF16 = torch.bfloat16
-
-
-def bits(t):
-    return t.detach().contiguous().view(torch.uint8)
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def param(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.nn.Parameter(torch.randn(*shape, generator=g).to(BF16))
 
 
 def dequant_of(q):

@@ -43,16 +43,9 @@ def initial_weight(name, args):
     return dict(model.named_parameters())[name].detach().to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe,limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
-@pytest.mark.parametrize("moe", [False, True])
-def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe, limit, moe):
-    args = ["--recipe", recipe] + (["--moe"] if moe else [])
-    z = launch(tmp_path, *args, "--mode", "zrw", "--opt", "sgd", "--lr", "0.5")
-    b = launch(tmp_path, *args, "--mode", "bf16", "--opt", "sgd", "--lr", "0.5")
-    s = single(tmp_path, *args, "--opt", "sgd", "--lr", "0.5")
-
-    # After the last reshard no gathered plane holds memory (FSDP2 frees what it gathered).
-    assert z["resident_plane_bytes"] and not any(z["resident_plane_bytes"].values())
+def assert_trains_like_bf16_gather_and_single_process(z, b, s, args):
+    """z (FP8 all-gather) against b (FSDP2's BF16 all-gather, quantized after the gather) and s
+    (the single-process run on the global batch)."""
     # The FP8 gather changes nothing but bytes: bitwise the run that gathers BF16 and quantizes.
     assert z["losses"] == b["losses"]
     for n in z["weights"]:
@@ -69,6 +62,19 @@ def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe
         moved = (s["weights"][n] - initial_weight(n, args).float()).abs().max()
         diff = (w - s["weights"][n]).abs().max()
         assert diff <= 0.05 * moved, (n, float(diff), float(moved))
+
+
+@pytest.mark.parametrize("recipe,limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
+@pytest.mark.parametrize("moe", [False, True])
+def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe, limit, moe):
+    args = ["--recipe", recipe] + (["--moe"] if moe else [])
+    z = launch(tmp_path, *args, "--mode", "zrw", "--opt", "sgd", "--lr", "0.5")
+    b = launch(tmp_path, *args, "--mode", "bf16", "--opt", "sgd", "--lr", "0.5")
+    s = single(tmp_path, *args, "--opt", "sgd", "--lr", "0.5")
+
+    # After the last reshard no gathered plane holds memory (FSDP2 frees what it gathered).
+    assert z["resident_plane_bytes"] and not any(z["resident_plane_bytes"].values())
+    assert_trains_like_bf16_gather_and_single_process(z, b, s, args)
 
     # The gathered planes equal the single-process quantization of the full weight, byte for byte.
     for name in ("fc1", "fc2"):

@@ -86,3 +86,14 @@ def fresh_pages() -> bool:
     """Serve every block of 64 KiB or more with fresh pages (mmap per allocation, munmap on
     free): what a kernel pays when the allocator has returned its memory to the OS."""
     return glibc_malloc(64 << 10, 128 << 10)
+
+
+def recording(fn: Callable, record: Callable[[float], None]) -> Callable:
+    """fn, wrapped to pass the seconds of each call (also one that raises) to `record`."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+    return timed

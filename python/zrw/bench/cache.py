@@ -26,7 +26,7 @@ import torch
 
 import zrw
 from zrw import cache, ops
-from zrw.bench._timing import best_of, print_table
+from zrw.bench._timing import best_of, print_table, recording
 from zrw.config import get_recipe
 from zrw.nn import mx_linear
 from zrw.optim import MasterWeights, attach
@@ -89,18 +89,10 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
     ws = [l.weight for l in lins]
     marks = {}
 
-    def timed(label, fn):
-        def run_timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                marks[label] = time.perf_counter() - t0
-        return run_timed
-
     if boundary == "master":
         opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3))
-        opt._write_back = timed("restore", opt._write_back)  # the write-back is the restore
+        # The write-back is the restore.
+        opt._write_back = recording(opt._write_back, lambda t: marks.__setitem__("restore", t))
     else:
         opt = torch.optim.AdamW(ws, lr=1e-3)
         opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("pre", time.perf_counter()))

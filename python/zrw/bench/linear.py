@@ -32,7 +32,7 @@ import torch
 import zrw
 from zrw import ops
 from zrw import cache
-from zrw.bench._timing import best_of, best_of_interleaved, print_table
+from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording
 from zrw.nn import MXLinear
 from zrw.nn.linear import cache_recipe
 
@@ -80,13 +80,8 @@ def _instrumented(fn, repeat: int, before=None) -> dict:
         saved = {name: getattr(_MODULE_OF[name], name) for name in _PARTS}
 
         def wrap(name, real):
-            def timed(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    parts[_PARTS[name]] += time.perf_counter() - t0
-            return timed
+            part = _PARTS[name]
+            return recording(real, lambda t: parts.__setitem__(part, parts[part] + t))
 
         if before is not None:
             before()
