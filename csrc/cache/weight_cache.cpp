@@ -125,8 +125,8 @@ std::string layout_mismatch(const at::Tensor& w, const Entry& e) {
     return "it no longer holds the storage it was released with (its data was replaced after "
            "the release, e.g. by `w.data = t`)";
   }
-  if (w.scalar_type() != e.dtype || w.storage_offset() != 0 || w.sizes().vec() != e.sizes ||
-      w.strides().vec() != e.strides) {
+  if (w.scalar_type() != e.dtype || w.storage_offset() != 0 || !w.sizes().equals(e.sizes) ||
+      !w.strides().equals(e.strides)) {
     std::ostringstream os;
     os << "it was released as " << e.dtype << " of shape " << at::IntArrayRef(e.sizes)
        << " but is now " << w.scalar_type() << " of shape " << w.sizes() << " at offset "
@@ -140,7 +140,8 @@ std::string layout_mismatch(const at::Tensor& w, const Entry& e) {
 // every weight it could not restore (an OutOfMemoryError if every failure was one).
 class Failures {
  public:
-  explicit Failures(const char* op) : op_(op) {}
+  // `what`: what happened to the weights that failed ("restored", "written").
+  explicit Failures(const char* op, const char* what = "restored") : op_(op), what_(what) {}
 
   template <typename F>
   bool attempt(const std::string& name, F&& f) {
@@ -161,8 +162,9 @@ class Failures {
     if (lines_.empty()) return;
     std::ostringstream os;
     os << op_ << ": " << lines_.size() << " weight" << (lines_.size() == 1 ? "" : "s")
-       << " could not be restored; each stays released with its cache entry and FP8 copy, and "
-          "can be restored again once the cause is fixed:";
+       << " could not be " << what_ << "; each is left as it was (a released one stays "
+          "released with its cache entry and FP8 copy), and can be " << what_
+       << " again once the cause is fixed:";
     for (const auto& l : lines_) os << "\n  - " << l;
     if (all_oom_) TORCH_CHECK_WITH(OutOfMemoryError, false, os.str());
     TORCH_CHECK(false, os.str());
@@ -174,6 +176,7 @@ class Failures {
     all_oom_ = all_oom_ && oom;
   }
   const char* op_;
+  const char* what_;
   std::vector<std::string> lines_;
   bool all_oom_ = true;
 };
@@ -320,7 +323,7 @@ class WeightCache {
                       "length, got ", ws.size(), " and ", srcs.size());
     std::lock_guard<std::mutex> lock(mu_);
     sweep_locked();
-    Failures failures(op);
+    Failures failures(op, "written");
     int64_t n = 0;
     for (size_t i = 0; i < ws.size(); ++i) {
       const at::Tensor& w = ws[i];
