@@ -3,6 +3,8 @@
 // module itself only reports build facts, so the library needs no libtorch_python.
 #include <Python.h>
 
+#include <exception>
+
 #include "common/names.h"
 #include "memory/counting_allocator.h"
 #include "mx/mx_cpu_kernels.h"
@@ -11,6 +13,31 @@ namespace {
 
 PyObject* cpu_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(zrw::cpu::active_isa());
+}
+
+PyObject* cpu_gemm(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(zrw::cpu::gemm_path_name());
+  } catch (const std::exception& e) {  // a bad ZRW_CPU_GEMM: a Python error, not a crash
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* cpu_gemm_counts(PyObject*, PyObject*) {
+  const auto c = zrw::cpu::gemm_counts();
+  return Py_BuildValue("{s:L,s:L,s:L}", "fp32", static_cast<long long>(c.fp32), "bf16",
+                       static_cast<long long>(c.bf16), "bf16_to_fp32",
+                       static_cast<long long>(c.bf16_to_fp32));
+}
+
+PyObject* cpu_reset_gemm_counts(PyObject*, PyObject*) {
+  zrw::cpu::reset_gemm_counts();
+  Py_RETURN_NONE;
+}
+
+PyObject* cpu_native_bf16(PyObject*, PyObject*) {
+  return PyBool_FromLong(zrw::cpu::cpu_has_native_bf16());
 }
 
 template <size_t N>
@@ -67,6 +94,13 @@ PyObject* memory_reset_peak(PyObject*, PyObject*) {
 PyMethodDef zrw_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "Instruction set of the CPU quantization kernel in use: 'avx512', 'avx2' or 'base'."},
+    {"cpu_gemm", cpu_gemm, METH_NOARGS,
+     "The inner GEMM of mx_matmul on CPU: 'bf16' (native BF16 dot products) or 'fp32'."},
+    {"cpu_gemm_counts", cpu_gemm_counts, METH_NOARGS,
+     "mx_matmul calls per GEMM since the last reset: fp32, bf16, bf16_to_fp32 (extremes)."},
+    {"cpu_reset_gemm_counts", cpu_reset_gemm_counts, METH_NOARGS, "Zero cpu_gemm_counts()."},
+    {"cpu_native_bf16", cpu_native_bf16, METH_NOARGS,
+     "Whether this CPU has native BF16 dot products (avx512_bf16, AMX-BF16, Arm BF16)."},
     {"scale_modes", scale_modes, METH_NOARGS, "The MX scale rules the ops accept."},
     {"fill_names", fill_names, METH_NOARGS, "The fills a restore of a released weight accepts."},
     {"cache_recipes", cache_recipes, METH_NOARGS, "The native cache's weight layouts."},

@@ -2,13 +2,16 @@
 // here; the quantization and dequantization loops are in mx_cpu_quant_kernel.cpp and
 // mx_cpu_dequant_kernel.cpp, compiled once per instruction set.
 //
-// mx_matmul is emulated: operands are dequantized to fp32 (exact), the weight-side operand tile
-// by tile, and multiplied with the fp32 GEMM (MKL). On CPUs without fast bf16 GEMM that is
-// several times faster than a bf16 matmul of the same shape.
+// mx_matmul is emulated: operands are dequantized tile by tile (exact) and multiplied by a GEMM
+// that accumulates in fp32: the fp32 GEMM (MKL), or, where the CPU has native BF16 dot products
+// and the result is bf16, torch's BF16 GEMM on bf16 tiles (cpu::gemm_path; the extremes of the
+// e8m0 range fall back to fp32, see bf16_exact).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "../common/checks.h"
@@ -161,6 +164,52 @@ at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, in
 // ---------------------------------------------------------------------------------------------
 // mx_matmul.
 
+// A bf16 value's bits from an fp32 value that is exactly a bf16 value (the BF16 path only runs
+// when every dequantized element is one): the top half of its bits.
+inline uint16_t bf16_bits_exact(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// The dequantization kernels write fp32; a bf16 tile goes through a small fp32 chunk (L1) and
+// keeps the top half of each value's bits.
+constexpr int64_t kChunk = 1024;  // a multiple of the block size
+
+inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = bf16_bits_exact(in[j]);
+}
+
+// n elements along K, blocks of 32 from scales[0]: fp32 out written directly, bf16 chunked.
+inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
+                            float* o) {
+  cpu::dequantize_row_blocks(fmt, d, s, n, o);
+}
+inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
+                            uint16_t* o) {
+  float tmp[kChunk];
+  for (int64_t j = 0; j < n; j += kChunk) {
+    const int64_t m = std::min(kChunk, n - j);
+    cpu::dequantize_row_blocks(fmt, d + j, s + j / kBlock, m, tmp);
+    to_bf16(tmp, m, o + j);
+  }
+}
+inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
+                             float* o) {
+  cpu::dequantize_per_element(fmt, d, s, n, o);
+}
+inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
+                             uint16_t* o) {
+  float tmp[kChunk];
+  for (int64_t j = 0; j < n; j += kChunk) {
+    const int64_t m = std::min(kChunk, n - j);
+    cpu::dequantize_per_element(fmt, d + j, s + j, m, tmp);
+    to_bf16(tmp, m, o + j);
+  }
+}
+inline void store(float v, float* o) { *o = v; }
+inline void store(float v, uint16_t* o) { *o = bf16_bits_exact(v); }
+
 // One MX operand (R, K) blocked along K: fp8 bytes and e8m0 scale (R, ceil(K/32)) with arbitrary
 // strides. Nothing is copied: tiles are dequantized straight from the strided bytes.
 struct MxOperand {
@@ -190,9 +239,10 @@ struct MxOperand {
     return v * mx::scale_from_byte(scale[r * ss_row + (kk / kBlock) * ss_kb]);
   }
 
-  // Rows [r0, r0 + nr) into `buf` as fp32 (exact): row-major (nr, K), or, when col_major(),
-  // in the bytes' own order (K, nr).
-  void dequantize_rows(int64_t r0, int64_t nr, float* buf) const {
+  // Rows [r0, r0 + nr) into `buf` as fp32 or bf16 (exact either way, see bf16_exact):
+  // row-major (nr, K), or, when col_major(), in the bytes' own order (K, nr).
+  template <typename Out>
+  void dequantize_rows(int64_t r0, int64_t nr, Out* buf) const {
     if (col_major()) {
       // Column kk of the rows: contiguous bytes, one scale per row (contiguous when the scale
       // is the .t() of a contiguous tensor, as the layers pass it).
@@ -200,29 +250,99 @@ struct MxOperand {
         for (int64_t kk = kb; kk < ke; ++kk) {
           const uint8_t* d = data + kk * s_k + r0;
           const uint8_t* s = scale + (kk / kBlock) * ss_kb + r0 * ss_row;
-          float* o = buf + kk * nr;
+          Out* o = buf + kk * nr;
           if (ss_row == 1) {
-            cpu::dequantize_per_element(fmt, d, s, nr, o);
+            per_element_into(fmt, d, s, nr, o);
           } else {
-            for (int64_t r = 0; r < nr; ++r) o[r] = value(r0 + r, kk);
+            for (int64_t r = 0; r < nr; ++r) store(value(r0 + r, kk), o + r);
           }
         }
       });
     } else {
       at::parallel_for(0, nr, 8, [&](int64_t rb, int64_t re) {
         for (int64_t r = rb; r < re; ++r) {
-          float* o = buf + r * k;
+          Out* o = buf + r * k;
           if (s_k == 1 && ss_kb == 1) {
-            cpu::dequantize_row_blocks(fmt, data + (r0 + r) * s_row, scale + (r0 + r) * ss_row,
-                                       k, o);
+            row_blocks_into(fmt, data + (r0 + r) * s_row, scale + (r0 + r) * ss_row, k, o);
           } else {
-            for (int64_t kk = 0; kk < k; ++kk) o[kk] = value(r0 + r, kk);
+            for (int64_t kk = 0; kk < k; ++kk) store(value(r0 + r, kk), o + kk);
           }
         }
       });
     }
   }
+
+  // Whether block (r, kb) holds only zeros (+0 or -0).
+  bool block_is_zero(int64_t r, int64_t kb) const {
+    const int64_t k0 = kb * kBlock, k1 = std::min(k, k0 + kBlock);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      if ((data[r * s_row + kk * s_k] & 0x7F) != 0) return false;
+    }
+    return true;
+  }
+
+  // The smallest and largest scale byte over the blocks that hold a nonzero element: a block
+  // with scale byte 0 is skipped when all its elements are zero (an all-zero block, e.g. the
+  // gradient of a masked token); `nonfinite` is set for a 0xFF (NaN/Inf) block. Reads the scale
+  // bytes in their memory order, and the data of scale-0 blocks only.
+  void scale_range(int& lo, int& hi, bool& nonfinite) const {
+    lo = 255;
+    hi = 0;
+    nonfinite = false;
+    const int64_t kbs = mx::ceil_div(k, kBlock);
+    auto visit = [&](int64_t r, int64_t kb) {
+      const int s = scale[r * ss_row + kb * ss_kb];
+      if (s == 0xFF) nonfinite = true;
+      if (s == 0 && block_is_zero(r, kb)) return;
+      lo = std::min(lo, s);
+      hi = std::max(hi, s);
+    };
+    if (ss_row == 1) {
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        for (int64_t r = 0; r < rows; ++r) visit(r, kb);
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t kb = 0; kb < kbs; ++kb) visit(r, kb);
+      }
+    }
+  }
 };
+
+// log2 bounds of an element format's nonzero magnitudes: 2^lo <= |x| < 2^hi.
+void elem_log2_range(ElemFormat f, int& lo, int& hi) {
+  if (f == ElemFormat::E4M3) {
+    lo = -9;  // smallest subnormal 2^-9; largest 448 < 2^9
+    hi = 9;
+  } else {
+    lo = -16;  // 2^-16; 57344 < 2^16
+    hi = 16;
+  }
+}
+
+// Whether the BF16 path computes exactly what the FP32 path does (up to the order of the fp32
+// sums): every dequantized element is a normal bf16 number or zero (so the tiles hold the exact
+// values, and BF16 dot products, which treat subnormal inputs as zero, see them), and every
+// product of two nonzero elements is a normal, finite fp32 number (the dot products accumulate
+// in fp32 and flush subnormal products). False at the extremes of the e8m0 range and for blocks
+// holding NaN/Inf: those calls take the FP32 path instead of flushing.
+bool bf16_exact(const MxOperand& a, const MxOperand& b) {
+  int a_lo, a_hi, b_lo, b_hi, ea_lo, ea_hi, eb_lo, eb_hi;
+  bool a_nf, b_nf;
+  a.scale_range(a_lo, a_hi, a_nf);
+  b.scale_range(b_lo, b_hi, b_nf);
+  if (a_nf || b_nf) return false;
+  if (a_lo > a_hi || b_lo > b_hi) return true;  // an all-zero operand: a zero product
+  elem_log2_range(a.fmt, ea_lo, ea_hi);
+  elem_log2_range(b.fmt, eb_lo, eb_hi);
+  const int a_min = a_lo - 127 + ea_lo, a_max = a_hi - 127 + ea_hi;  // 2^a_min <= |a| < 2^a_max
+  const int b_min = b_lo - 127 + eb_lo, b_max = b_hi - 127 + eb_hi;
+  constexpr int kMinNormal = -126, kMaxExp = 127;  // fp32 and bf16 share the exponent range
+  return a_min >= kMinNormal && b_min >= kMinNormal && a_max <= kMaxExp && b_max <= kMaxExp &&
+         a_min + b_min >= kMinNormal && a_max + b_max <= kMaxExp;
+}
+
+std::atomic<int64_t> g_fp32{0}, g_bf16{0}, g_bf16_to_fp32{0};
 
 at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                          const at::Tensor& b_scale, at::ScalarType out_dtype) {
@@ -237,42 +357,62 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   auto c = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0 || K == 0) return c.zero_();
   const MxOperand A(a, a_scale), B(b, b_scale);
-  const auto f32 = a.options().dtype(at::kFloat);
 
-  // Both operands are dequantized in row tiles, A's of at most 2^22 fp32 elements (16 MiB), B's
-  // of 2^21 (8 MiB), and each A tile is multiplied by every B tile: no operand ever exists whole
-  // in fp32. B is dequantized again for every A tile (unless it fits one tile), which costs little
-  // next to the GEMM (dequantization runs at a few bytes per ns, the GEMM does K flops per byte).
+  // The BF16 GEMM (torch's, oneDNN where the CPU has BF16 dot products) accumulates in fp32 and
+  // rounds once into a bf16 result: the FP32 path's result up to the order of the fp32 sums.
+  // torch offers it with a bf16 result only, so fp16/fp32 results keep the FP32 GEMM.
+  const bool bf16_wanted = out_dtype == at::kBFloat16 && cpu::gemm_path() == cpu::Gemm::BF16;
+  const bool bf16 = bf16_wanted && bf16_exact(A, B);
+  (bf16 ? g_bf16 : bf16_wanted ? g_bf16_to_fp32 : g_fp32).fetch_add(1, std::memory_order_relaxed);
+  const auto tile_opts = a.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
+
+  // Both operands are dequantized in row tiles, A's of at most 2^22 elements (16 MiB in fp32),
+  // B's of 2^21 (8 MiB), and each A tile is multiplied by every B tile: no operand ever exists
+  // whole in fp32. B is dequantized again for every A tile (unless it fits one tile), which
+  // costs little next to the GEMM. A product tile that cannot be written straight into the
+  // result (an fp32 product cast into a bf16/fp16 result, or a column slice of it) is bounded by
+  // 2^22 elements too: A's tile shrinks when B's is wide (a weight gradient from few tokens:
+  // K small, M and N large).
   auto rows_per_tile = [&](int64_t rows, int64_t elems) {
     return std::min(rows, std::max<int64_t>(64, elems / K / 64 * 64));
   };
-  const int64_t a_tile = rows_per_tile(M, int64_t{1} << 22);
   const int64_t b_tile = rows_per_tile(N, int64_t{1} << 21);
-  at::Tensor a32 = at::empty({a_tile * K}, f32);
-  at::Tensor b32 = at::empty({b_tile * K}, f32);
-  // For a bf16/fp16 result, each tile's fp32 product is cast into it: no (M, N) fp32 copy.
-  const bool fp32_out = out_dtype == at::kFloat;
-  at::Tensor c32 = fp32_out ? at::Tensor() : at::empty({a_tile * b_tile}, f32);
+  const bool direct = out_dtype == at::kFloat || (bf16 && b_tile == N);
+  int64_t a_tile = rows_per_tile(M, int64_t{1} << 22);
+  if (!direct) {
+    a_tile = std::min(a_tile, std::max<int64_t>(64, (int64_t{1} << 22) / b_tile / 64 * 64));
+  }
+  at::Tensor a_buf = at::empty({a_tile * K}, tile_opts);
+  at::Tensor b_buf = at::empty({b_tile * K}, tile_opts);
+  at::Tensor prod = direct ? at::Tensor()
+                           : at::empty({std::min(a_tile, M) * b_tile}, tile_opts);
   // (rows, K) tile as a GEMM operand: row-major, or a column-major tile (K, rows) transposed.
-  auto tile_rows_by_k = [&](const MxOperand& op, at::Tensor& buf, int64_t rows) {
+  auto tile_rows_by_k = [&](const MxOperand& o, at::Tensor& buf, int64_t rows) {
     const at::Tensor t = buf.narrow(0, 0, rows * K);
-    return op.col_major() ? t.view({K, rows}).t() : t.view({rows, K});
+    return o.col_major() ? t.view({K, rows}).t() : t.view({rows, K});
+  };
+  auto dequantize = [&](const MxOperand& o, int64_t r0, int64_t nr, at::Tensor& buf) {
+    if (bf16) {
+      o.dequantize_rows(r0, nr, static_cast<uint16_t*>(buf.data_ptr()));
+    } else {
+      o.dequantize_rows(r0, nr, buf.data_ptr<float>());
+    }
   };
   const bool b_once = b_tile == N;
-  if (b_once) B.dequantize_rows(0, N, b32.data_ptr<float>());
+  if (b_once) dequantize(B, 0, N, b_buf);
   for (int64_t m0 = 0; m0 < M; m0 += a_tile) {
     const int64_t mb = std::min(a_tile, M - m0);
-    A.dequantize_rows(m0, mb, a32.data_ptr<float>());
-    const at::Tensor a_mat = tile_rows_by_k(A, a32, mb);
+    dequantize(A, m0, mb, a_buf);
+    const at::Tensor a_mat = tile_rows_by_k(A, a_buf, mb);
     for (int64_t n0 = 0; n0 < N; n0 += b_tile) {
       const int64_t nb = std::min(b_tile, N - n0);
-      if (!b_once) B.dequantize_rows(n0, nb, b32.data_ptr<float>());
-      const at::Tensor b_mat = tile_rows_by_k(B, b32, nb).t();  // (K, nb)
+      if (!b_once) dequantize(B, n0, nb, b_buf);
+      const at::Tensor b_mat = tile_rows_by_k(B, b_buf, nb).t();  // (K, nb)
       at::Tensor c_tile = c.narrow(0, m0, mb).narrow(1, n0, nb);
-      if (fp32_out) {
+      if (direct) {
         at::mm_out(c_tile, a_mat, b_mat);
       } else {
-        at::Tensor p = c32.narrow(0, 0, mb * nb).view({mb, nb});
+        at::Tensor p = prod.narrow(0, 0, mb * nb).view({mb, nb});
         at::mm_out(p, a_mat, b_mat);
         c_tile.copy_(p);
       }
@@ -282,6 +422,21 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
 }
 
 }  // namespace
+
+namespace cpu {
+GemmCounts gemm_counts() {
+  GemmCounts c;
+  c.fp32 = g_fp32.load();
+  c.bf16 = g_bf16.load();
+  c.bf16_to_fp32 = g_bf16_to_fp32.load();
+  return c;
+}
+void reset_gemm_counts() {
+  g_fp32 = 0;
+  g_bf16 = 0;
+  g_bf16_to_fp32 = 0;
+}
+}  // namespace cpu
 
 TORCH_LIBRARY_IMPL(zrw, CPU, m) {
   m.impl("mx_quantize", &mx_quantize_cpu);

@@ -8,6 +8,11 @@
 #include <cstring>
 #include <string>
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 #include "mx_cpu_kernels.h"
 
 namespace zrw::cpu {
@@ -70,7 +75,34 @@ const Choice& chosen() {
   return c;
 }
 
+Gemm pick_gemm() {
+  if (const char* forced = std::getenv("ZRW_CPU_GEMM"); forced && *forced) {
+    if (std::strcmp(forced, "fp32") == 0) return Gemm::FP32;
+    if (std::strcmp(forced, "bf16") == 0) return Gemm::BF16;
+    TORCH_CHECK(std::strcmp(forced, "auto") == 0,
+                "ZRW_CPU_GEMM must be \"fp32\", \"bf16\" or \"auto\", got \"", forced, "\"");
+  }
+  return cpu_has_native_bf16() ? Gemm::BF16 : Gemm::FP32;
+}
+
 }  // namespace
+
+bool cpu_has_native_bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+#elif defined(__aarch64__) && defined(__linux__) && defined(HWCAP2_BF16)
+  return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#else
+  return false;
+#endif
+}
+
+Gemm gemm_path() {
+  static const Gemm g = pick_gemm();
+  return g;
+}
+
+const char* gemm_path_name() { return gemm_path() == Gemm::BF16 ? "bf16" : "fp32"; }
 
 const char* active_isa() { return chosen().name; }
 

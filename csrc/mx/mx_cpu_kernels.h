@@ -52,6 +52,26 @@ ZRW_DECLARE_CPU_ISA(avx512)
 // The instruction set the kernels run with: "avx512", "avx2" or "base".
 const char* active_isa();
 
+// The inner GEMM of mx_matmul: dequantize tiles to fp32 and run the fp32 GEMM, or (where the CPU
+// has native BF16 dot products: avx512_bf16, AMX-BF16, Arm BF16) dequantize to bf16 and run the
+// BF16 GEMM, which accumulates in fp32. Decided once per process; ZRW_CPU_GEMM=fp32|bf16 forces
+// one (tests run both on every machine).
+enum class Gemm { FP32, BF16 };
+Gemm gemm_path();
+const char* gemm_path_name();
+// Whether this CPU has native BF16 dot products.
+bool cpu_has_native_bf16();
+
+// How many mx_matmul calls ran each GEMM since the last reset: the fp32 GEMM (chosen, or for an
+// fp16/fp32 result), the BF16 GEMM, and BF16-path calls handed to the fp32 GEMM because a
+// scale lies at an extreme of the e8m0 range (or a block holds NaN/Inf). For tests and
+// benchmarks.
+struct GemmCounts {
+  int64_t fp32 = 0, bf16 = 0, bf16_to_fp32 = 0;
+};
+GemmCounts gemm_counts();
+void reset_gemm_counts();
+
 void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
                        int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode, const QuantOutputs& out);
 void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,

@@ -69,14 +69,17 @@ def backends():
         a dict with one entry per backend (``"cpu"``, ``"cuda"``, ``"npu"``), each a dict with
         ``available`` (bool: zrw's MX ops can run on that device in this process) and ``kernels``
         (the zrw MX ops with a kernel for that device in this build), plus:
-        ``cpu["isa"]``; ``npu["torch_npu"]`` (its version if imported, else None),
+        ``cpu["isa"]``, ``cpu["gemm"]`` (mx_matmul's inner GEMM: "bf16" where the CPU has native
+        BF16 dot products, else "fp32"; ZRW_CPU_GEMM forces one) and ``cpu["native_bf16"]``;
+        ``npu["torch_npu"]`` (its version if imported, else None),
         ``npu["operators"]`` ({torch_npu operator: available for the NPU}) and ``npu["native"]``
         ({"built": bool, "kernels": [...]}, the ``zrw._C_npu`` target).
     """
     npu_kernels = _kernels("PrivateUse1")
     operators = {name: _npu_operator_available(name) for name in NPU_OPERATORS}
     return {
-        "cpu": {"available": True, "kernels": _kernels("CPU"), "isa": _C.cpu_isa()},
+        "cpu": {"available": True, "kernels": _kernels("CPU"), "isa": _C.cpu_isa(),
+                "gemm": _C.cpu_gemm(), "native_bf16": _C.cpu_native_bf16()},
         "cuda": {"available": bool(_kernels("CUDA")), "kernels": _kernels("CUDA")},
         "npu": {
             # mx_dequantize needs no torch_npu operator, the other four do.

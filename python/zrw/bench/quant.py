@@ -78,7 +78,10 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
     qa, sa = ops.mx_quantize(a, -1)
     qb, sb = ops.mx_quantize(b, -1)
     t_mm_bf16 = best_of(lambda: torch.matmul(a, b.t()), 3, 1)
+    zrw._C.cpu_reset_gemm_counts()
     t_mm_mx = best_of(lambda: ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16), 3, 1)
+    counts = zrw._C.cpu_gemm_counts()
+    gemm_ran = sorted(k for k, v in counts.items() if v)
 
     def ratio(x, y):
         return None if x is None or y is None else x / y
@@ -87,6 +90,9 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
         "shape": [n, k],
         "threads": threads,
         "cpu_isa": zrw._C.cpu_isa(),
+        "gemm_path": zrw._C.cpu_gemm(),
+        "native_bf16": zrw._C.cpu_native_bf16(),
+        "mx_matmul_gemm_ran": gemm_ran,
         "ms": {
             **{name: v * 1e3 for name, v in t.items()},
             "dual_fresh_output_pages": None if t_dual_fresh is None else t_dual_fresh * 1e3,
@@ -141,4 +147,6 @@ def main(argv=None) -> None:
           f"{ms['dual_1_thread'] / ms['copy_1_thread']:.2f}x a 1-thread copy "
           f"(speed-up from 1 to {r['threads']} threads: {r['thread_speedup_dual']:.2f}x)")
     print(f"  mx_matmul {args.mm}^3: {ms['mx_matmul']:.4g} ms vs bf16 torch.matmul "
-          f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time")
+          f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time "
+          f"(inner GEMM: {'/'.join(r['mx_matmul_gemm_ran'])}; native BF16: "
+          f"{'yes' if r['native_bf16'] else 'no'})")

@@ -1,0 +1,179 @@
+"""mx_matmul's two CPU GEMM paths (issue 15): the FP32 GEMM on fp32 tiles, and the BF16 GEMM
+on bf16 tiles where the CPU has native BF16 dot products. Both are run on every machine, each in
+its own process with ZRW_CPU_GEMM forcing it (the choice is made once per process):
+
+- the BF16 path gives the FP32 path's results up to the order of the fp32 sums (one bf16 rounding
+  of the same fp32 dot products), for all four operand layouts and K not a multiple of 32;
+- fp16/fp32 results and scales at the extremes of the e8m0 range (or NaN blocks) run the FP32
+  GEMM on the BF16 path too, and are then bitwise the FP32 path's;
+- a call's peak memory is its result plus the documented tile bound on both paths, also for a
+  weight gradient from few tokens (the product tile is bounded, not the whole (M, N) in fp32).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zrw  # noqa: F401
+
+CASES_SCRIPT = r"""
+import sys, torch, zrw
+from zrw import ops
+torch.manual_seed(0)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+def operand(rows, k, transposed, elem, scale, zero_rows=()):
+    x = torch.randn(rows, k)
+    if scale == "nan":
+        x[0, 0] = float("nan")
+    else:
+        x = x * scale
+    for r in zero_rows:
+        x[r] = 0
+    if transposed:  # the .t() of a tensor blocked along its other axis (dgrad / wgrad)
+        d, s = ops.mx_quantize(x.t().contiguous(), 0, elem)
+        return d.t(), s.t()
+    return ops.mx_quantize(x, -1, elem)
+
+results = {}
+cases = []
+for elem in (E4M3, E5M2):
+    for a_t in (False, True):
+        for b_t in (False, True):
+            for (m, n, k) in ((48, 40, 113), (64, 96, 256)):
+                cases.append((f"{elem}-{a_t}-{b_t}-{m}x{n}x{k}", elem, a_t, b_t, m, n, k, 1.0, 1.0, ()))
+# An all-zero row (a masked token's gradient): zero blocks do not force the FP32 GEMM.
+cases.append(("zero-blocks", E4M3, False, False, 64, 64, 128, 1.0, 1.0, (3, 17)))
+# Extremes of the e8m0 range: values whose bf16 form would be subnormal, products that would
+# underflow or overflow fp32, and a NaN block.
+cases.append(("tiny-elements", E4M3, False, False, 32, 32, 64, 2.0 ** -121, 1.0, ()))
+cases.append(("tiny-products", E4M3, True, False, 32, 32, 64, 2.0 ** -60, 2.0 ** -60, ()))
+cases.append(("huge-products", E5M2, False, True, 32, 32, 64, 2.0 ** 64, 2.0 ** 64, ()))
+cases.append(("nan-block", E4M3, False, False, 32, 32, 64, "nan", 1.0, ()))
+for name, elem, a_t, b_t, m, n, k, sa_, sb_, zr in cases:
+    qa, sa = operand(m, k, a_t, elem, sa_, zr)
+    qb, sb = operand(n, k, b_t, elem, sb_)
+    for out in (torch.bfloat16, torch.float16, torch.float32):
+        zrw._C.cpu_reset_gemm_counts()
+        y = ops.mx_matmul(qa, sa, qb, sb, out)
+        counts = zrw._C.cpu_gemm_counts()
+        ran = [key for key, v in counts.items() if v]
+        ref = (ops.mx_dequantize(qa.contiguous(), sa.contiguous(), -1, torch.float32).double()
+               @ ops.mx_dequantize(qb.contiguous(), sb.contiguous(), -1, torch.float32).double().t())
+        results[(name, str(out))] = (y, ran, ref)
+torch.save({"gemm": zrw._C.cpu_gemm(), "results": results}, sys.argv[1])
+"""
+
+MEMORY_SCRIPT = r"""
+import sys, torch, zrw
+zrw.memory.install()
+from zrw import ops
+out = []
+# A weight gradient from 64 tokens of a wide layer: a = Q_M(dy).t() (8192, 64), b = Q_M(x).t()
+# (4096, 64), both column-major views; the bf16 result is (8192, 4096): 64 MiB.
+T, N_out, K_in = 64, 8192, 4096
+qdy, sdy = ops.mx_quantize(torch.randn(T, N_out, dtype=torch.bfloat16), 0)
+qx, sx = ops.mx_quantize(torch.randn(T, K_in, dtype=torch.bfloat16), 0)
+with zrw.memory.window() as m:
+    y = ops.mx_matmul(qdy.t(), sdy.t(), qx.t(), sx.t(), torch.bfloat16)
+out.append(m["peak"] - m["start"])
+del y
+# A forward GEMM: (1024, 4096) activations times a (4096, 4096) weight.
+qa, sa = ops.mx_quantize(torch.randn(1024, 4096, dtype=torch.bfloat16), -1)
+qb, sb = ops.mx_quantize(torch.randn(4096, 4096, dtype=torch.bfloat16), -1)
+with zrw.memory.window() as m:
+    y = ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16)
+out.append(m["peak"] - m["start"])
+print(zrw._C.cpu_gemm(), *out)
+"""
+
+PATHS = ("fp32", "bf16")
+
+
+def run_child(script, path, *args):
+    env = dict(os.environ, ZRW_CPU_GEMM=path)
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for path in PATHS:
+        f = tmp_path_factory.mktemp(path) / "results.pt"
+        run_child(CASES_SCRIPT, path, str(f))
+        saved = torch.load(f, weights_only=False)
+        assert saved["gemm"] == path  # the override took effect
+        out[path] = saved["results"]
+    return out
+
+
+def _extreme(name):
+    return name in ("tiny-elements", "tiny-products", "huge-products", "nan-block")
+
+
+def test_fp32_path_runs_the_fp32_gemm_everywhere(results):
+    for key, (_, ran, _) in results["fp32"].items():
+        assert ran == ["fp32"], key
+
+
+def test_bf16_path_runs_bf16_gemm_for_bf16_results_and_hands_extremes_to_fp32(results):
+    for (name, out), (_, ran, _) in results["bf16"].items():
+        if out != "torch.bfloat16":
+            assert ran == ["fp32"], (name, out)  # fp16/fp32 results keep the FP32 GEMM
+        elif _extreme(name):
+            assert ran == ["bf16_to_fp32"], name  # never flushed: handed over
+        else:
+            assert ran == ["bf16"], name
+
+
+def test_bf16_path_equals_fp32_path_up_to_summation_order(results):
+    for key, (y_bf16, ran, ref) in results["bf16"].items():
+        y_fp32 = results["fp32"][key][0]
+        assert y_bf16.dtype == y_fp32.dtype and y_bf16.shape == y_fp32.shape
+        if ran != ["bf16"]:
+            # Same GEMM, same tiles: bitwise (NaNs where the FP32 path has them).
+            assert torch.equal(y_bf16.view(torch.uint8), y_fp32.view(torch.uint8)), key
+            continue
+        # One rounding of the same fp32 dot products to bf16: both within half a bf16 ulp of
+        # the exact (float64) product, up to the fp32 summation error.
+        for y in (y_bf16, y_fp32):
+            err = (y.double() - ref).abs()
+            bound = ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()
+            assert bool((err <= bound).all()), (key, float((err - bound).max()))
+        # ...and at most one bf16 ulp from each other.
+        diff = (y_bf16.double() - y_fp32.double()).abs()
+        assert bool((diff <= y_fp32.double().abs() * 2.0 ** -7 + 1e-6 * ref.abs().max()).all()), key
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_peak_is_the_result_plus_the_tile_bound(path):
+    # The documented bound: an A tile of at most 2^22 elements, a B tile of 2^21 and a product
+    # tile of 2^22 (fp32 on the FP32 path, bf16 on the BF16 path: fp32 bytes bound both).
+    gemm, wgrad, fwd = run_child(MEMORY_SCRIPT, path).split()
+    assert gemm == path
+    tiles = (2 ** 22 + 2 ** 21 + 2 ** 22) * 4
+    result = 8192 * 4096 * 2
+    assert result <= int(wgrad) <= result + tiles + (1 << 20), (path, int(wgrad))
+    result = 1024 * 4096 * 2
+    assert result <= int(fwd) <= result + tiles + (1 << 20), (path, int(fwd))
+
+
+def test_backends_reports_the_gemm_path():
+    cpu = zrw.backends()["cpu"]
+    assert cpu["gemm"] == zrw._C.cpu_gemm() in PATHS
+    assert isinstance(cpu["native_bf16"], bool)
+    if "ZRW_CPU_GEMM" not in os.environ:
+        assert cpu["gemm"] == ("bf16" if cpu["native_bf16"] else "fp32")
+
+
+def test_an_unknown_gemm_override_is_refused():
+    env = dict(os.environ, ZRW_CPU_GEMM="int8")
+    r = subprocess.run([sys.executable, "-c", "import zrw; print(zrw._C.cpu_gemm())"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert 'ZRW_CPU_GEMM must be "fp32", "bf16" or "auto", got "int8"' in r.stderr
