@@ -35,6 +35,10 @@ def test_bench_quant_json():
     for name, v in r["ratio_to_copy"].items():
         assert positive(v) and v == pytest.approx(r["ms"][name] / r["ms"]["copy"]), name
     assert r["cpu_isa"] in ("avx512", "avx2", "base")
+    # Which GEMM mx_matmul ran: the process's path (bf16 where the CPU has native BF16).
+    assert r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32") or "ZRW_CPU_GEMM" in os.environ
+    assert r["mx_matmul_gemm_ran"] and set(r["mx_matmul_gemm_ran"]) <= {"fp32", "bf16",
+                                                                       "bf16_to_fp32"}
     # glibc here: the warm-heap setting applies and the fresh-pages timing exists
     assert r["allocator"] == "glibc, freed memory kept in the heap"
     assert positive(r["ms"]["dual_fresh_output_pages"])
@@ -60,7 +64,15 @@ def test_bench_cache_json():
 
 
 def test_bench_linear_json():
-    r = run_bench("linear", "--tokens", "16", "--shapes", "64x96", "--repeat", "1")
+    r = run_bench("linear", "--tokens", "16", "--shapes", "64x96", "--repeat", "1",
+                  "--stack-hidden", "64", "--stack-layers", "2", "--stack-tokens", "32",
+                  "--model-hidden", "64")
+    assert r["gemm_path"] in ("fp32", "bf16") and isinstance(r["native_bf16"], bool)
+    (stack,) = r["stack"]
+    assert (stack["hidden"], stack["layers"]) == (64, 2)
+    assert positive(stack["ms"]["bf16_step"]) and positive(stack["ms"]["mxfp8_step"])
+    assert r["model"]["hidden"] == 64 and positive(r["model"]["mxfp8_over_bf16"])
+    assert sum(r["mx_matmul_gemm_calls"].values()) > 0
     (shape,) = r["shapes"]
     assert (shape["out_features"], shape["in_features"]) == (64, 96)
     assert positive(shape["ms"]["bf16_linear_step"])

@@ -17,8 +17,17 @@ and, timed on their own: the recipe's weight kernel alone (dual-axis 1x32, or 32
 what release adds per step (free + poison on the miss, re-allocation at the boundary's
 restore, against the same miss keeping the BF16).
 
+Then, as whole training steps against BF16 (same data, same optimizer):
+  stack          a stack of --stack-layers MXLinear(H, H) layers (ReLU between) against
+                 nn.Linear in BF16, forward + backward, for H in --stack-hidden (1024, 4096)
+  model          the demo's dense Qwen3 (transformers class, random init) at hidden
+                 --model-hidden: zrw.convert(model, "mxfp8") with MasterWeights(AdamW) attached
+                 against the same model in BF16 with MasterWeights(AdamW): forward, backward and
+                 optimizer step
+
 The CPU has no MX GEMM: the MX step here measures the emulation and the overheads around it,
-not what hardware MX would give. Timings are the best of --repeat runs (noise is upward);
+not what hardware MX would give. mx_matmul's inner GEMM is reported (zrw.backends()["cpu"]
+["gemm"]): BF16 where the CPU has native BF16 dot products, else FP32. Timings are the best of --repeat runs (noise is upward);
 a call of seconds (BF16 GEMMs on a CPU without native BF16) is timed once.
 """
 from __future__ import annotations
@@ -173,16 +182,80 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
     return out
 
 
+def run_stack(hidden: int, layers: int, tokens: int, repeat: int = 3) -> dict:
+    """BF16 nn.Linear stack vs MXLinear ("mxfp8", release on, a later microbatch: weight hits)
+    stack, forward + backward of `tokens` tokens."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+
+    def make(mx: bool):
+        torch.manual_seed(0)
+        lins = [torch.nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16)
+                for _ in range(layers)]
+        if mx:
+            lins = [MXLinear.from_linear(lin, "mxfp8", name=f"stack.{i}.weight")
+                    for i, lin in enumerate(lins)]
+        return torch.nn.Sequential(*[m for lin in lins for m in (lin, torch.nn.ReLU())][:-1])
+
+    def step(model):
+        model(x).float().pow(2).mean().backward()
+
+    bf16, mx = make(False), make(True)
+    t_bf16 = _time(lambda: step(bf16), repeat)
+    step(mx)  # the step's first microbatch: quantize and release every weight
+    t_mx = _time(lambda: step(mx), repeat)
+    cache.cache_clear("dequant")
+    return {"hidden": hidden, "layers": layers, "tokens": tokens,
+            "ms": {"bf16_step": t_bf16 * 1e3, "mxfp8_step": t_mx * 1e3},
+            "mxfp8_over_bf16": t_mx / t_bf16}
+
+
+def run_model(hidden: int, steps: int = 3) -> dict:
+    """The demo's dense model at `hidden`: a whole training step (4 sequences of 64 tokens,
+    forward, backward, MasterWeights(AdamW) step) in BF16 and with zrw mxfp8, best of `steps`
+    after one warm-up step."""
+    from zrw.demo import DemoConfig, build_model, make_batches
+    from zrw.optim import MasterWeights, attach
+
+    c = DemoConfig(model="dense", hidden=hidden, progress=False)
+    ids = make_batches(c, 1)[0]
+    out = {"hidden": hidden, "layers": c.layers, "tokens": c.batch * c.seq, "ms": {}}
+    for mode in ("bf16", "mxfp8"):
+        model = build_model("dense", c)
+        if mode == "mxfp8":
+            zrw.convert(model, "mxfp8")
+        opt = attach(MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-4))
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        out["ms"][f"{mode}_step"] = _time(step, steps) * 1e3
+        cache.cache_clear("dequant")
+        del model, opt
+    out["mxfp8_over_bf16"] = out["ms"]["mxfp8_step"] / out["ms"]["bf16_step"]
+    return out
+
+
 def run(tokens: int = 2048, shapes=((1024, 1024), (4096, 1024)), recipes=RECIPES,
-        repeat: int = 3) -> dict:
+        repeat: int = 3, stack_hidden=(1024, 4096), stack_layers: int = 4,
+        stack_tokens: int = 512, model_hidden: int = 1024) -> dict:
     a = torch.randn(64, 64).to(torch.bfloat16)
     best_of(lambda: (a @ a).sum().item(), 1, 2)  # BLAS / oneDNN first-call setup
-    return {
+    zrw._C.cpu_reset_gemm_counts()
+    out = {
         "threads": torch.get_num_threads(),
         "cpu_isa": zrw._C.cpu_isa(),
+        "gemm_path": zrw._C.cpu_gemm(),
+        "native_bf16": zrw._C.cpu_native_bf16(),
         "tokens": tokens,
         "shapes": [run_shape(tokens, n, k, recipes, repeat) for n, k in shapes],
+        "stack": [run_stack(h, stack_layers, stack_tokens, repeat) for h in stack_hidden],
+        "model": None if not model_hidden else run_model(model_hidden, repeat),
     }
+    out["mx_matmul_gemm_calls"] = zrw._C.cpu_gemm_counts()
+    return out
 
 
 def _shape(s: str):
@@ -199,18 +272,27 @@ def main(argv=None) -> None:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--stack-hidden", default="1024,4096",
+                   help="comma-separated hidden sizes of the dense layer stack ('' skips it)")
+    p.add_argument("--stack-layers", type=int, default=4)
+    p.add_argument("--stack-tokens", type=int, default=512)
+    p.add_argument("--model-hidden", type=int, default=1024,
+                   help="hidden size of the demo's dense model (0 skips it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
     recipes = [r for r in args.recipes.split(",") if r]
     if args.threads:
         torch.set_num_threads(args.threads)
-    r = run(args.tokens, shapes, recipes, args.repeat)
+    stack_hidden = [int(h) for h in args.stack_hidden.split(",") if h]
+    r = run(args.tokens, shapes, recipes, args.repeat, stack_hidden, args.stack_layers,
+            args.stack_tokens, args.model_hidden)
     if args.json:
         print(json.dumps(r))
         return
     print(f"zrw {zrw.__version__}: MXLinear training step (forward + backward) vs BF16 "
-          f"nn.Linear, {r['tokens']} tokens, {r['threads']} threads, kernel ISA {r['cpu_isa']}")
+          f"nn.Linear, {r['tokens']} tokens, {r['threads']} threads, kernel ISA {r['cpu_isa']}, "
+          f"mx_matmul GEMM {r['gemm_path']} (native BF16: {'yes' if r['native_bf16'] else 'no'})")
     for s in r["shapes"]:
         bf16 = s["ms"]["bf16_linear_step"]
         rows = [["BF16 nn.Linear step", bf16, 1.0, ""]]
@@ -231,3 +313,17 @@ def main(argv=None) -> None:
             ]
         print_table(f"\n  M={s['tokens']}, weight {s['out_features']}x{s['in_features']} "
                     f"(out x in)", ["", "ms", "x BF16 step", "share of step"], rows)
+    if r["stack"]:
+        rows = [[f"{s['layers']} x {s['hidden']}x{s['hidden']}, {s['tokens']} tokens",
+                 s["ms"]["bf16_step"], s["ms"]["mxfp8_step"], s["mxfp8_over_bf16"]]
+                for s in r["stack"]]
+        print_table("\n  dense layer stack, forward + backward (MX: weights are cache hits)",
+                    ["stack", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"], rows)
+    if r["model"]:
+        m = r["model"]
+        print_table(f"\n  the demo's dense model at hidden {m['hidden']} ({m['layers']} layers, "
+                    f"{m['tokens']} tokens): forward + backward + MasterWeights(AdamW) step",
+                    ["model", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"],
+                    [["Qwen3 (transformers)", m["ms"]["bf16_step"], m["ms"]["mxfp8_step"],
+                      m["mxfp8_over_bf16"]]])
+    print(f"\n  mx_matmul calls per GEMM in this run: {r['mx_matmul_gemm_calls']}")
