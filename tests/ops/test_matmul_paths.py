@@ -177,3 +177,17 @@ def test_an_unknown_gemm_override_is_refused():
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert 'ZRW_CPU_GEMM must be "fp32", "bf16" or "auto", got "int8"' in r.stderr
+
+
+def test_grouped_experts_take_the_same_gemm_path():
+    # MXGroupedLinear's per-expert GEMMs are mx_matmul calls: they run this process's path.
+    from zrw.nn import MXGroupedLinear
+
+    layer = MXGroupedLinear(4, 64, 96, release=False, dtype=torch.bfloat16)
+    x = torch.randn(40, 64).to(torch.bfloat16).requires_grad_(True)
+    zrw._C.cpu_reset_gemm_counts()
+    layer(x, [10, 0, 25, 5]).float().sum().backward()
+    counts = zrw._C.cpu_gemm_counts()
+    assert counts[zrw._C.cpu_gemm()] == 3 * 3  # 3 experts with tokens x (fwd, dgrad, wgrad)
+    assert sum(counts.values()) == 9
+    zrw.cache.cache_clear()
