@@ -17,7 +17,8 @@
 // first error is the one that says which operator and which torch_npu are needed.
 //
 // Verified only on CPU, against stand-in npu:: operators built from the documented semantics
-// (tests/npu); nothing here has run on an NPU (docs/npu.md).
+// (tests/npu), whose schemas and output dtypes/shapes the tests hold to the real torch_npu 2.13.0
+// wheel (its codegen yaml and meta functions); nothing here has run on an NPU (docs/npu.md).
 //
 // This file registers nothing: zrw._C registers these kernels for PrivateUse1
 // (mx_npu_registration.cpp), and the test library for the CPU key of its mirror namespace
@@ -245,8 +246,9 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
 // built from its bit pattern (byte << 23; byte 0 is the fp32 subnormal 2^-127, 0xFF NaN): an
 // IEEE fp32 product rounds the exact product once, as the reference does, then to out_dtype.
 // (An NPU that flushed fp32 subnormals would differ for scale byte 0; unverified.) torch_npu's
-// npu_anti_mx_quant would do it in one kernel, but the reference notes give only its schema,
-// not its layout or rounding (docs/npu.md).
+// npu_anti_mx_quant would do it in one kernel, but torch_npu 2.13.0 settles neither its scale
+// layout (its meta function takes any mxscale shape; it has no docstring) nor its rounding or
+// NaN handling (docs/npu.md).
 
 at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {
