@@ -17,7 +17,8 @@
 // first error is the one that says which operator and which torch_npu are needed.
 //
 // Verified only on CPU, against stand-in npu:: operators built from the documented semantics
-// (tests/npu); nothing here has run on an NPU (docs/npu.md).
+// (tests/npu), whose schemas and output dtypes/shapes the tests hold to the real torch_npu 2.13.0
+// wheel (its codegen yaml and meta functions); nothing here has run on an NPU (docs/npu.md).
 //
 // This file registers nothing: zrw._C registers these kernels for PrivateUse1
 // (mx_npu_registration.cpp), and the test library for the CPU key of its mirror namespace
@@ -118,7 +119,10 @@ at::Tensor empty_scale(at::IntArrayRef shape, const at::Tensor& like) {
 
 // One-axis quantization with npu_dynamic_mx_quant. x is handed over as (outer, D) blocked along
 // -1 or (outer, D, inner) blocked along -2, the two documented cases of the operator (reference
-// notes §1.3), which also keeps any rank within its 1-7 dims.
+// notes §1.3), which also keeps any rank within its 1-7 dims. A float32 x needs at least 32
+// elements along the quantized axis (torch_npu 2.13.0's docstring of the operator): a shorter
+// axis is zero-padded to one block, which changes no block's amax (zrw counts the missing
+// elements of a partial block as 0, DESIGN.md §3), and the data narrowed back.
 std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tensor& x, int64_t d,
                                                   at::ScalarType elem_dtype, ScaleMode mode) {
   constexpr const char* npu_name = "npu_dynamic_mx_quant";
@@ -137,15 +141,24 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tens
   std::vector<int64_t> canonical = shape;
   canonical[1] = blocks;
   const int64_t axis = tail ? -1 : -2;
+  at::Tensor input = x.reshape(shape);
+  std::vector<int64_t> input_shape = shape;
+  const bool pad = x.scalar_type() == at::kFloat && D < kBlock;
+  if (pad) {
+    input_shape[1] = kBlock;
+    input = tail ? at::constant_pad_nd(input, {0, kBlock - D})
+                 : at::constant_pad_nd(input, {0, 0, 0, kBlock - D});
+  }
 
-  const auto out = mx_quant_args(npu_op, x.reshape(shape), elem_dtype, mode)
+  const auto out = mx_quant_args(npu_op, input, elem_dtype, mode)
                        .arg_or_default("axis", axis, axis == -1)
                        .arg_or_default("block_size", kBlock, true)
                        .call();
   check_outputs(op, npu_name, out, 2);
-  const at::Tensor data = returned(op, npu_name, "data", out[0], elem_dtype, shape);
+  at::Tensor data = returned(op, npu_name, "data", out[0], elem_dtype, input_shape);
   const at::Tensor paired =
       returned_scale(op, npu_name, "the scale", out[1], paired_scale_shape(canonical, 1));
+  if (pad) data = data.narrow(1, 0, D).contiguous();
   return {data.reshape(x.sizes()), scale_from_paired(paired, 1, blocks).reshape(scale_shape)};
 }
 
@@ -233,8 +246,9 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
 // built from its bit pattern (byte << 23; byte 0 is the fp32 subnormal 2^-127, 0xFF NaN): an
 // IEEE fp32 product rounds the exact product once, as the reference does, then to out_dtype.
 // (An NPU that flushed fp32 subnormals would differ for scale byte 0; unverified.) torch_npu's
-// npu_anti_mx_quant would do it in one kernel, but the reference notes give only its schema,
-// not its layout or rounding (docs/npu.md).
+// npu_anti_mx_quant would do it in one kernel, but torch_npu 2.13.0 settles neither its scale
+// layout (its meta function takes any mxscale shape; it has no docstring) nor its rounding or
+// NaN handling (docs/npu.md).
 
 at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {

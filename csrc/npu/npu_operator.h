@@ -23,12 +23,16 @@
 
 namespace zrw::npu {
 
-// The torch_npu that first has the MX operators, as messages name it. The reference notes date
-// the operators by Ascend op-plugin tags (7.x: none; 26.0.0: all of them), the release numbering
-// of Ascend Extension for PyTorch, not torch_npu's pip version (which follows torch's).
+// The torch_npu zrw is checked against, as messages name it: 2.13.0, the one release for torch
+// 2.13 (its wheel requires torch==2.13.0.*), built from Ascend Extension for PyTorch 26.2.0
+// (branch v2.13.0-26.2.0). Its operator schemas and meta functions are the ones the CPU tests
+// hold the adapter to (tests/npu/test_real_torch_npu.py). Ascend numbers the releases that carry
+// the MX operators by op-plugin tag (7.x: none; 26.0.0: all of them), not by torch_npu's pip
+// version (which follows torch's).
 constexpr const char* kTorchNpuNeeded =
-    "torch_npu from Ascend Extension for PyTorch 26.0.0 or newer (op-plugin tag 26.0.0 is the "
-    "first with the MX operators; 7.x releases have none) on an Ascend 950PR/950DT";
+    "torch_npu 2.13.0 (the release for torch 2.13, from Ascend Extension for PyTorch 26.2.0; "
+    "op-plugin 26.0.0 was the first with the MX operators, 7.x releases have none) on an Ascend "
+    "950PR/950DT";
 
 class NpuOperator {
  public:

@@ -9,23 +9,24 @@ import pytest
 
 import npu_test_ops
 import zrw  # noqa: F401  (loads zrw._C: the zrw ops)
-from npu_standins import SCHEMAS, StandIns
+from npu_standins import PINNED, SCHEMAS, StandIns
 
-VARIANTS = ("26.0.0", "current")
+VARIANTS = (PINNED, "26.0.0")
 
 
 @pytest.fixture(params=VARIANTS)
 def npu_ops(request):
-    """The stand-in operators with the schemas of torch_npu 26.0.0, then of the current one."""
+    """The stand-in operators with the schemas of the pinned torch_npu 2.13.0, then with the
+    older op-plugin 26.0.0 ones (by-name argument placement)."""
     with StandIns(SCHEMAS[request.param]) as ops:
         ops.variant = request.param
         yield ops
 
 
 @pytest.fixture
-def npu_current():
-    """One variant, for tests whose subject is not the schema."""
-    with StandIns(SCHEMAS["current"]) as ops:
+def npu_pinned():
+    """The pinned torch_npu 2.13.0's schemas, for tests whose subject is not the schema."""
+    with StandIns(SCHEMAS[PINNED]) as ops:
         yield ops
 
 

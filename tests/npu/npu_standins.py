@@ -1,8 +1,11 @@
 """Stand-in torch_npu MX operators for the CPU tests of zrw's NPU adapter.
 
 No NPU, torch_npu or CANN exists here. These register the `npu::` operators the adapter calls,
-with the schema strings of a given torch_npu release, and implement them for CPU from their
-documented semantics (../shared/reference/npu_ops_and_mindspeed.md §1): the numbers come from
+with the schema strings of a given torch_npu release (the pinned one, 2.13.0, copied from its
+wheel), and implement them for CPU from their documented semantics
+(../shared/reference/npu_ops_and_mindspeed.md §1, and the docstrings of torch_npu 2.13.0): the
+output shapes and dtypes are those of torch_npu 2.13.0's meta functions (test_real_torch_npu.py
+runs them on every call the adapter tests make and compares), the numbers come from
 ``zrw.reference`` (floor = ``scale_alg=0``, rceil = ``scale_alg=1``), the layouts are torch_npu's
 (uint8 paired scales, written here after the aclnn golden, independently of the adapter's C++),
 and the documented constraints are enforced, so that a wrong argument from the adapter fails:
@@ -12,10 +15,13 @@ scale shapes, and the same transpose attribute for each data tensor and its scal
 stride test, ported from its QuantMatmulKernelNpuOpApi.cpp).
 
 Each call is logged (``StandIns.calls``) with the argument values it received, so tests can check
-what the adapter passed.
+what the adapter passed, and recorded in full (``StandIns.records``: the arguments as meta tensors,
+the outputs' dtypes and shapes), so that the real meta functions can be run on exactly what the
+adapter passed.
 """
 
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -32,57 +38,62 @@ FP8_BY_CODE = {
 }
 OUT_DTYPE_BY_CODE = {15: torch.bfloat16, 5: torch.float16, 6: torch.float32}
 
-_MX_QUANT_26_0 = (
-    'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '
-    "int block_size=32, int? scale_alg=0, float dst_type_max=0.0) -> (Tensor, Tensor)"
-)
-_MX_QUANT_CURRENT = (
+# The schema strings of torch_npu 2.13.0, the release for torch 2.13 (the only torch zrw builds
+# against): copied from its wheel's torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml and
+# checked against it, string for string after torch's schema parser, by test_real_torch_npu.py.
+_MX_QUANT_2_13 = (
     'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '
     "int block_size=32, int? scale_alg=0, float dst_type_max=0.0, float max_low_bound=0.0) "
     "-> (Tensor, Tensor)"
 )
-_DUAL_26_0 = (
-    'npu_dynamic_mx_quant_with_dual_axis(Tensor input, *, str round_mode="rint", '
-    "int dst_type=296, int scale_alg=0) -> (Tensor, Tensor, Tensor, Tensor)"
-)
-_DUAL_CURRENT = (
+_DUAL_2_13 = (
     'npu_dynamic_mx_quant_with_dual_axis(Tensor input, *, str round_mode="rint", '
     "int dst_type=296, int scale_alg=0, float? dst_type_max=0.0) "
     "-> (Tensor, Tensor, Tensor, Tensor)"
 )
-_BLOCK = (
+_BLOCK_2_13 = (
     'npu_dynamic_block_mx_quant(Tensor input, *, str round_mode="rint", int dst_type=296, '
     "int scale_alg=0, float dst_type_max=0.0) -> (Tensor, Tensor, Tensor)"
 )
-_QMM = (
+_QMM_2_13 = (
     "npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
     "Tensor? pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, "
     "int? x1_dtype=None, int? x2_dtype=None, int? pertoken_scale_dtype=None, "
     "int? scale_dtype=None, int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
 )
+# Older schemas, from the reference notes only (op-plugin op_plugin_functions.yaml): no torch_npu
+# for torch 2.13 has them, so they cannot be checked against a wheel here. They stay as tests of
+# the adapter's by-name argument placement. op-plugin tag 26.0.0 lacks max_low_bound and the
+# dual-axis op's dst_type_max (the notes name no other difference).
+_MX_QUANT_26_0 = (
+    'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '
+    "int block_size=32, int? scale_alg=0, float dst_type_max=0.0) -> (Tensor, Tensor)"
+)
+_DUAL_26_0 = (
+    'npu_dynamic_mx_quant_with_dual_axis(Tensor input, *, str round_mode="rint", '
+    "int dst_type=296, int scale_alg=0) -> (Tensor, Tensor, Tensor, Tensor)"
+)
 # 7.x: no MX operators; npu_quant_matmul takes a ScalarType output_dtype and no *_dtype arguments.
-# (The notes give only this difference; the rest of the 7.x signature is the current one's.)
+# (The notes give only this difference; the rest of the 7.x signature is 2.13.0's.)
 _QMM_7X = (
     "npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
     "Tensor? pertoken_scale=None, Tensor? bias=None, ScalarType? output_dtype=None) -> Tensor"
 )
 
-# Schema strings per torch_npu release, from the reference notes §1.1 (op-plugin
-# op_plugin_functions.yaml): 26.0.0 lacks max_low_bound (also 26.1.0) and the dual-axis op's
-# dst_type_max; "current" is op-plugin master. The notes name no other difference, so the block
-# and matmul schemas are the same in both.
+# Schema strings per torch_npu release. "2.13.0" is the pinned release (docs/npu.md).
+PINNED = "2.13.0"
 SCHEMAS = {
+    PINNED: {
+        "npu_dynamic_mx_quant": _MX_QUANT_2_13,
+        "npu_dynamic_mx_quant_with_dual_axis": _DUAL_2_13,
+        "npu_dynamic_block_mx_quant": _BLOCK_2_13,
+        "npu_quant_matmul": _QMM_2_13,
+    },
     "26.0.0": {
         "npu_dynamic_mx_quant": _MX_QUANT_26_0,
         "npu_dynamic_mx_quant_with_dual_axis": _DUAL_26_0,
-        "npu_dynamic_block_mx_quant": _BLOCK,
-        "npu_quant_matmul": _QMM,
-    },
-    "current": {
-        "npu_dynamic_mx_quant": _MX_QUANT_CURRENT,
-        "npu_dynamic_mx_quant_with_dual_axis": _DUAL_CURRENT,
-        "npu_dynamic_block_mx_quant": _BLOCK,
-        "npu_quant_matmul": _QMM,
+        "npu_dynamic_block_mx_quant": _BLOCK_2_13,
+        "npu_quant_matmul": _QMM_2_13,
     },
     "7.x": {"npu_quant_matmul": _QMM_7X},
 }
@@ -92,7 +103,7 @@ def torch_npu_loaded():
     """Whether the real torch_npu is in this process (torch may autoload it as a device backend):
     then its operators own the npu namespace and the stand-ins cannot be registered."""
     return "torch_npu" in sys.modules or any(
-        torch._C._dispatch_has_kernel(f"npu::{name}") for name in SCHEMAS["current"]
+        torch._C._dispatch_has_kernel(f"npu::{name}") for name in SCHEMAS[PINNED]
     )
 
 
@@ -165,6 +176,16 @@ def _input(op, x, dtypes, ranks):
         raise StandInError(f"npu::{op}: input rank {x.dim()} is not supported, expected {ranks}")
 
 
+def ignores_dst_type(input, *, axis=-1, **extra):
+    """An npu_dynamic_mx_quant that ignores the dst_type it is given and returns its default,
+    FP4 (296), shaped as torch_npu 2.13.0's meta function shapes it: uint8 data with half the last
+    dim (two elements a byte) and uint8 paired scales. What the adapter must refuse."""
+    data = torch.zeros(*input.shape[:-1], input.shape[-1] // 2, dtype=torch.uint8)
+    scale_shape = list(input.shape)
+    scale_shape[axis] = -(-input.shape[axis] // ref.BLOCK)
+    return data, golden_pair(torch.zeros(scale_shape, dtype=torch.uint8), axis)
+
+
 def _zero_nan_blocks(data, scale, axis):
     """The golden writes +0 for the elements of a NaN/Inf block (scale byte 0xFF)."""
     axis = axis % data.dim()
@@ -176,6 +197,31 @@ def _zero_nan_blocks(data, scale, axis):
 
 # ------------------------------------------------------------------------------------------------
 # the operators
+
+
+class Call(NamedTuple):
+    """One call of a stand-in operator as the dispatcher made it (defaults filled in)."""
+
+    op: str
+    args: tuple  # tensors as meta tensors of the same sizes, strides and dtypes
+    kwargs: dict
+    outputs: tuple  # ((dtype, shape), ...) of what the stand-in returned
+
+
+def as_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: as_meta(v) for k, v in value.items()}
+    return value
+
+
+def signature(outputs):
+    """((dtype, shape), ...) of an operator's outputs."""
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return tuple((t.dtype, tuple(t.shape)) for t in outputs)
 
 
 class StandIns:
@@ -192,6 +238,7 @@ class StandIns:
         self.dispatch_keys = dispatch_keys
         self.overrides = overrides or {}
         self.calls = []
+        self.records = []
         self._lib = None
 
     def __enter__(self):
@@ -200,7 +247,7 @@ class StandIns:
         self._lib = torch.library.Library("npu", "FRAGMENT")
         for name, schema in self.schemas.items():
             self._lib.define(schema)
-            impl = self.overrides.get(name) or getattr(self, name)
+            impl = self._recorded(name, self.overrides.get(name) or getattr(self, name))
             for key in self.dispatch_keys:
                 self._lib.impl(name, impl, key)
         return self
@@ -208,6 +255,13 @@ class StandIns:
     def __exit__(self, *exc):
         self._lib._destroy()
         self._lib = None
+
+    def _recorded(self, name, impl):
+        def call(*args, **kwargs):
+            outputs = impl(*args, **kwargs)
+            self.records.append(Call(name, as_meta(args), as_meta(kwargs), signature(outputs)))
+            return outputs
+        return call
 
     def _log(self, name, **args):
         self.calls.append((name, args))
@@ -227,6 +281,11 @@ class StandIns:
         _rint(op, round_mode)
         if block_size != 32:
             raise StandInError(f"npu::{op}: block_size={block_size} is not emulated (32 only)")
+        if input.dtype == torch.float32 and input.shape[axis] < 32:
+            # torch_npu 2.13.0's docstring: float32 input needs block_size 32 and an axis of at
+            # least 32 elements
+            raise StandInError(f"npu::{op}: a float32 input needs at least 32 elements along the "
+                               f"quantized axis, got {input.shape[axis]}")
         data, scale = ref.mx_quantize(input, axis, elem, _scale_mode(op, scale_alg))
         return _zero_nan_blocks(data, scale, axis), golden_pair(scale, axis)
 
@@ -289,8 +348,11 @@ class StandIns:
             if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or t.dim() != 2:
                 raise StandInError(f"npu::{op}: {name} must be a 2-d FP8 tensor, got {t.dtype} "
                                    f"{tuple(t.shape)}")
-            if code is not None and FP8_BY_CODE.get(code) != t.dtype:
-                raise StandInError(f"npu::{op}: {name}_dtype={code} does not match {t.dtype}")
+            if code is not None:
+                # torch_npu 2.13.0's meta function takes x1_dtype/x2_dtype only for dtypes torch
+                # lacks (FP4, HiFloat8), never for a native float8 tensor
+                raise StandInError(f"npu::{op}: pass {name}_dtype only when {name} is not a "
+                                   f"native PyTorch dtype, got {name}_dtype={code} for {t.dtype}")
         (m, k), (k2, n) = x1.shape, x2.shape
         if k != k2:
             raise StandInError(f"npu::{op}: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)}: K")

@@ -3,7 +3,9 @@
 Every result is compared bit for bit with ``zrw.reference`` (the elements of 0xFF blocks aside,
 which the spec leaves unspecified and the stand-ins, like torch_npu's golden, write as +0), for
 both recipes (dual-axis ``mxfp8`` and ``mxfp8-32x32``), both scale rules (``scale_alg`` 0 and 1)
-and both fp8 formats, under the 26.0.0 and the current schemas (the ``npu_ops`` fixture).
+and both fp8 formats, under the pinned torch_npu 2.13.0's schemas and op-plugin 26.0.0's (the
+``npu_ops`` fixture). test_real_torch_npu.py runs torch_npu 2.13.0's own meta functions on every
+operator call these cases make (the case lists below are shared with it).
 
 The adapter's kernels are reached through ``torch.ops.zrw_npu_test``: the same C++ functions that
 zrw registers for PrivateUse1, registered for CPU in a mirror namespace (csrc/npu/npu_test_ops.cpp
@@ -106,33 +108,67 @@ def test_mx_quantize(npu_ops, adapter, case, elem, mode):
     assert call["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
 
 
+OTHER_DTYPE_SHAPE = (33, 96)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
-def test_mx_quantize_other_input_dtypes(npu_current, adapter, dtype):
-    x = weights((33, 96), dtype)
+def test_mx_quantize_other_input_dtypes(npu_pinned, adapter, dtype):
+    x = weights(OTHER_DTYPE_SHAPE, dtype)
     for dim in (-1, 0):
         got = adapter.mx_quantize(x, dim, E4M3, "floor")
         assert_same_mx(got, ref.mx_quantize(x, dim, E4M3, "floor"), dim)
 
 
-def test_mx_quantize_non_contiguous_input(npu_current, adapter):
+# float32 along an axis shorter than one block: torch_npu 2.13.0's docstring says a float32 input
+# needs at least 32 elements along the quantized axis, so the adapter pads it with zeros (which
+# change no amax) to one block. Both orientations, and a 1-element axis.
+FLOAT32_SHORT_AXIS_CASES = [((4, 20), -1), ((20, 5), 0), ((3, 1, 40), 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", FLOAT32_SHORT_AXIS_CASES, ids=lambda c: f"{c[0]}-dim{c[1]}")
+def test_mx_quantize_float32_short_axis(npu_pinned, adapter, case, mode):
+    shape, dim = case
+    x = weights(shape, torch.float32, specials=False)
+    x.view(-1)[1] = float("nan")
+    data, scale = adapter.mx_quantize(x, dim, E4M3, mode)
+    assert data.is_contiguous()
+    assert_same_mx((data, scale), ref.mx_quantize(x, dim, E4M3, mode), dim, f"{shape} dim {dim}")
+    # the operator got one full block along the axis: (outer, 32) or (outer, 32, inner)
+    assert npu_pinned.last("npu_dynamic_mx_quant")["shape"][1] == 32
+
+
+def test_mx_quantize_dual_float32_short_axes(npu_pinned, adapter):
+    w = weights((7, 20), torch.float32, specials=False)
+    got = adapter.mx_quantize_dual(w, E5M2, "rceil")
+    rf = ref.mx_quantize_dual(w, E5M2, "rceil")
+    assert_same_mx(got[0:2], rf[0:2], -1)
+    assert_same_mx(got[2:4], rf[2:4], -2)
+
+
+def test_mx_quantize_non_contiguous_input(npu_pinned, adapter):
     x = weights((96, 70)).t()  # (70, 96) view
     expected = ref.mx_quantize(x, 1, E4M3, "floor")
     assert_same_mx(adapter.mx_quantize(x, 1, E4M3, "floor"), expected, 1)
 
 
-def test_mx_quantize_empty(npu_current, adapter):
+def test_mx_quantize_empty(npu_pinned, adapter):
     data, scale = adapter.mx_quantize(torch.empty(0, 64, dtype=torch.bfloat16), -1, E4M3, "floor")
     assert data.shape == (0, 64) and scale.shape == (0, 2) and scale.dtype == E8M0
-    assert not npu_current.calls  # nothing to hand to the operator
+    assert not npu_pinned.calls  # nothing to hand to the operator
 
 
 # ------------------------------------------------------------------------------------------------
 # dual-axis (mxfp8): npu_dynamic_mx_quant_with_dual_axis
 
 
+DUAL_SHAPES = [(96, 70), (64, 128), (2, 40, 96)]
+DUAL_FLOAT32_SHAPE = (2, 40, 96)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(96, 70), (64, 128), (2, 40, 96)], ids=str)
+@pytest.mark.parametrize("shape", DUAL_SHAPES, ids=str)
 def test_mx_quantize_dual(npu_ops, adapter, shape, elem, mode):
     w = weights(shape, seed=shape[-1])
     data_fwd, scale_fwd, data_bwd, scale_bwd = adapter.mx_quantize_dual(w, elem, mode)
@@ -143,23 +179,26 @@ def test_mx_quantize_dual(npu_ops, adapter, shape, elem, mode):
     assert call["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
 
 
-def test_mx_quantize_dual_float32_takes_two_one_axis_calls(npu_current, adapter):
+def test_mx_quantize_dual_float32_takes_two_one_axis_calls(npu_pinned, adapter):
     # The dual-axis operator takes fp16/bf16 only; fp32 goes through the one-axis operator twice.
-    w = weights((2, 40, 96), torch.float32)
+    w = weights(DUAL_FLOAT32_SHAPE, torch.float32)
     got = adapter.mx_quantize_dual(w, E4M3, "rceil")
     rf = ref.mx_quantize_dual(w, E4M3, "rceil")
     assert_same_mx(got[0:2], rf[0:2], -1)
     assert_same_mx(got[2:4], rf[2:4], -2)
-    assert [op for op, _ in npu_current.calls] == ["npu_dynamic_mx_quant"] * 2
+    assert [op for op, _ in npu_pinned.calls] == ["npu_dynamic_mx_quant"] * 2
 
 
 # ------------------------------------------------------------------------------------------------
 # 32x32 blocks (mxfp8-32x32): npu_dynamic_block_mx_quant
 
 
+BLOCK_SHAPES = [(70, 96), (64, 128), (2, 33, 64)]
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(70, 96), (64, 128), (2, 33, 64)], ids=str)
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=str)
 def test_mx_quantize_block(npu_ops, adapter, shape, elem, mode):
     w = weights(shape, seed=shape[0])
     data, block = adapter.mx_quantize_block(w, elem, mode)
@@ -171,7 +210,7 @@ def test_mx_quantize_block(npu_ops, adapter, shape, elem, mode):
     assert npu_ops.last("npu_dynamic_block_mx_quant")["scale_alg"] == {"floor": 0, "rceil": 1}[mode]
 
 
-def test_mx_quantize_block_refuses_float32(npu_current, adapter):
+def test_mx_quantize_block_refuses_float32(npu_pinned, adapter):
     with pytest.raises(TypeError, match="npu_dynamic_block_mx_quant takes no float32"):
         adapter.mx_quantize_block(weights((64, 64), torch.float32), E4M3, "floor")
 
@@ -234,12 +273,20 @@ def operand(values, layout, elem):
 LAYOUTS = ["rows", "t", "row_step"]
 
 
-@pytest.mark.parametrize("k", [64, 96, 40, 192])
+MATMUL_KS = [64, 96, 40, 192]  # aligned, K % 64 != 0 (padded), K < 64, several pairs
+MATMUL_MN = (6, 9)
+
+
+def matmul_elems(k):
+    return (E4M3, E5M2) if k == 96 else (E4M3, E4M3)
+
+
+@pytest.mark.parametrize("k", MATMUL_KS)
 @pytest.mark.parametrize("b_layout", LAYOUTS)
 @pytest.mark.parametrize("a_layout", LAYOUTS)
 def test_mx_matmul(npu_ops, adapter, a_layout, b_layout, k):
-    m, n = 6, 9
-    a_elem, b_elem = (E4M3, E5M2) if k == 96 else (E4M3, E4M3)
+    m, n = MATMUL_MN
+    a_elem, b_elem = matmul_elems(k)
     a, a_scale = operand(exact_values(m, k, seed=k), a_layout, a_elem)
     b, b_scale = operand(exact_values(n, k, seed=k + 1), b_layout, b_elem)
     for out_dtype in (torch.float32, torch.bfloat16):
@@ -261,11 +308,15 @@ def test_mx_matmul(npu_ops, adapter, a_layout, b_layout, k):
     assert call["output_dtype"] == 15  # the last out_dtype, bfloat16
 
 
-@pytest.mark.parametrize("k", [64, 160])
-@pytest.mark.parametrize("mn", [(1, 5), (5, 1), (1, 1)], ids=str)
+SINGLE_ROW_KS = [64, 160]
+SINGLE_ROW_MN = [(1, 5), (5, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("k", SINGLE_ROW_KS)
+@pytest.mark.parametrize("mn", SINGLE_ROW_MN, ids=str)
 @pytest.mark.parametrize("b_layout", ["rows", "t"])
 @pytest.mark.parametrize("a_layout", ["rows", "t"])
-def test_mx_matmul_single_rows(npu_current, adapter, a_layout, b_layout, mn, k):
+def test_mx_matmul_single_rows(npu_pinned, adapter, a_layout, b_layout, mn, k):
     # A size-1 dim leaves contiguity ambiguous (a (1, K) view may carry any stride on dim 0),
     # while op-plugin reads the transpose attribute from raw strides: the adapter must still
     # pass data and scale with the same attribute.
@@ -276,7 +327,7 @@ def test_mx_matmul_single_rows(npu_current, adapter, a_layout, b_layout, mn, k):
     assert_bitwise_equal(got, ref.mx_matmul(a, a_scale, b, b_scale, torch.float32))
 
 
-def test_mx_matmul_randn_and_nan_blocks(npu_current, adapter):
+def test_mx_matmul_randn_and_nan_blocks(npu_pinned, adapter):
     # General values: equal to the reference within fp32 accumulation order; a NaN/Inf block
     # (scale 0xFF) makes its row NaN and nothing else, padded blocks included.
     x = weights((8, 96), seed=3, specials=False)
@@ -290,14 +341,14 @@ def test_mx_matmul_randn_and_nan_blocks(npu_current, adapter):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, equal_nan=True)
 
 
-def test_mx_matmul_empty(npu_current, adapter):
+def test_mx_matmul_empty(npu_pinned, adapter):
     a, a_scale = ref.mx_quantize(torch.ones(3, 0, dtype=torch.bfloat16), -1, E4M3, "floor")
     b, b_scale = ref.mx_quantize(torch.ones(4, 0, dtype=torch.bfloat16), -1, E4M3, "floor")
     got = adapter.mx_matmul(a, a_scale, b, b_scale, torch.bfloat16)
     assert got.shape == (3, 4) and bool((got == 0).all())
 
 
-def test_argument_errors_name_the_argument(npu_current, adapter):
+def test_argument_errors_name_the_argument(npu_pinned, adapter):
     x = weights((4, 64))
     with pytest.raises(TypeError, match="elem_dtype must be"):
         adapter.mx_quantize(x, -1, torch.float16, "floor")
@@ -312,7 +363,7 @@ def test_argument_errors_name_the_argument(npu_current, adapter):
         adapter.mx_matmul(a, a_scale, a, a_scale[:, :1], torch.float32)
     with pytest.raises(ValueError, match="scale must have shape"):
         adapter.mx_dequantize(a, a_scale[:, :1], -1, torch.float32)
-    assert not npu_current.calls  # refused before reaching torch_npu
+    assert not npu_pinned.calls  # refused before reaching torch_npu
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +399,7 @@ def test_the_npu_key_reaches_the_adapter(op):
     }[op]
     with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1):
         with pytest.raises(RuntimeError, match=r"calls torch_npu's operator npu::npu_\w+, which is "
-                                               r"not registered.*26\.0\.0"):
+                                               r"not registered.*torch_npu 2\.13\.0"):
             getattr(torch.ops.zrw, op)(*args)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import zrw
 import pytest
 
-from npu_standins import SCHEMAS, StandIns, torch_npu_loaded
+from npu_standins import PINNED, SCHEMAS, StandIns, torch_npu_loaded
 from zrw.backends import MX_OPS, NPU_OPERATORS
 
 
@@ -27,10 +27,10 @@ def test_this_machine():
 
 def test_operators_count_only_with_an_npu_kernel():
     # Stand-ins with CPU kernels only are not torch_npu: nothing runs on an NPU through them.
-    with StandIns(SCHEMAS["current"]):
+    with StandIns(SCHEMAS[PINNED]):
         assert not any(zrw.backends()["npu"]["operators"].values())
     # Registered for PrivateUse1, as torch_npu registers them, they count.
-    with StandIns(SCHEMAS["current"], dispatch_keys=("CPU", "PrivateUse1")):
+    with StandIns(SCHEMAS[PINNED], dispatch_keys=("CPU", "PrivateUse1")):
         npu = zrw.backends()["npu"]
         assert all(npu["operators"].values()) and npu["available"] is True
     # A torch_npu without the MX operators (7.x)

@@ -1,6 +1,7 @@
 """The adapter reads torch_npu's schemas at run time: arguments by name, defaults filled in.
 
-Against the documented 26.0.0 and current schema strings (the ``npu_ops`` fixture), a synthetic
+Against the schema strings of the pinned torch_npu 2.13.0 (from its wheel) and of op-plugin 26.0.0
+(from the reference notes; the ``npu_ops`` fixture), a synthetic
 future one (arguments reordered, new defaulted ones), the 7.x releases (no MX operators) and broken
 variants: a missing operator, a missing or retyped argument, or an operator that ignores
 ``dst_type`` each give an error naming the operator, the argument and the torch_npu needed.
@@ -9,7 +10,8 @@ variants: a missing operator, a missing or retyped argument, or an operator that
 import pytest
 import torch
 
-from npu_standins import FP4_CODE, SCHEMAS, StandIns, StandInError, golden_pair
+from npu_standins import (FP4_CODE, PINNED, SCHEMAS, StandIns, StandInError, golden_pair,
+                           ignores_dst_type)
 from zrw import reference as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -77,7 +79,7 @@ def test_arguments_passed_by_name(npu_ops, adapter, elem, mode):
 def test_reordered_schema_with_new_arguments(adapter):
     # A future release that reorders the keyword arguments and adds defaulted ones: the adapter
     # maps by name and leaves the new ones at their defaults.
-    schemas = dict(SCHEMAS["current"])
+    schemas = dict(SCHEMAS[PINNED])
     schemas["npu_dynamic_mx_quant"] = (
         "npu_dynamic_mx_quant(Tensor input, *, int? scale_alg=0, int dst_type=296, "
         'float max_low_bound=0.0, int block_size=32, str round_mode="rint", int axis=-1, '
@@ -105,11 +107,13 @@ def test_torch_npu_7x_has_no_mx_operators(adapter):
             (lambda: adapter.mx_quantize_block(w, E4M3, "floor"), "npu_dynamic_block_mx_quant"),
         ):
             with pytest.raises(RuntimeError, match=rf"npu::{name}, which is not registered"
-                                                   r".*26\.0\.0 or newer"):
+                                                   r".*torch_npu 2\.13\.0 \(the release for "
+                                                   r"torch 2\.13"):
                 call()
         # 7.x's npu_quant_matmul exists, without MX mode's arguments
         with pytest.raises(RuntimeError, match=r"npu::npu_quant_matmul has no argument "
-                                               r"'scale_dtype'.*installed schema.*26\.0\.0"):
+                                               r"'scale_dtype'.*installed schema"
+                                               r".*torch_npu 2\.13\.0"):
             adapter.mx_matmul(a, a_scale, a, a_scale, torch.float32)
 
 
@@ -150,12 +154,7 @@ def test_argument_of_another_type(adapter):
 
 def test_operator_that_ignores_dst_type(adapter):
     # What FP4 output looks like (uint8, two elements per byte): caught, not passed on.
-    def fp4_quant(input, **kwargs):
-        data = torch.zeros(*input.shape[:-1], input.shape[-1] // 2, dtype=torch.uint8)
-        scale = torch.zeros(*input.shape[:-1], input.shape[-1] // 32, dtype=torch.uint8)
-        return data, golden_pair(scale, -1)
-
-    with StandIns(SCHEMAS["current"], overrides={"npu_dynamic_mx_quant": fp4_quant}):
+    with StandIns(SCHEMAS[PINNED], overrides={"npu_dynamic_mx_quant": ignores_dst_type}):
         with pytest.raises(RuntimeError, match=r"npu::npu_dynamic_mx_quant returned data of dtype "
                                                r"Byte and shape \[8, 32\], expected "
                                                r"Float8_e4m3fn and \[8, 64\]"):
@@ -166,12 +165,12 @@ def test_operator_that_ignores_dst_type(adapter):
 # the stand-ins enforce the documented constraints, so the adapter's handling is really exercised
 
 
-def test_stand_in_refuses_the_fp4_default(npu_current):
+def test_stand_in_refuses_the_fp4_default(npu_pinned):
     with pytest.raises(StandInError, match="296"):
         torch.ops.npu.npu_dynamic_mx_quant(bf16(8, 64))
 
 
-def test_stand_in_refuses_k_not_divisible_by_64(npu_current):
+def test_stand_in_refuses_k_not_divisible_by_64(npu_pinned):
     a, a_scale = ref.mx_quantize(bf16(4, 96), -1, E4M3, "floor")
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="K divisible by 64, got K=96"):
@@ -180,7 +179,7 @@ def test_stand_in_refuses_k_not_divisible_by_64(npu_current):
                                        group_sizes=[1, 1, 32])
 
 
-def test_stand_in_refuses_mismatched_transpose(npu_current):
+def test_stand_in_refuses_mismatched_transpose(npu_pinned):
     a, a_scale = ref.mx_quantize(bf16(4, 128), -1, E4M3, "floor")
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="x2 tensor and scale tensor's transpose are not same"):
