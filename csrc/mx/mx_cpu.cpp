@@ -180,6 +180,18 @@ inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
   for (int64_t j = 0; j < n; ++j) out[j] = bf16_bits_exact(in[j]);
 }
 
+// n elements dequantized by `kernel(j, m, out)` (elements [j, j + m) into out) in L1-sized fp32
+// chunks, kept as bf16.
+template <typename Kernel>
+inline void chunked_bf16(int64_t n, uint16_t* o, Kernel kernel) {
+  float tmp[kChunk];
+  for (int64_t j = 0; j < n; j += kChunk) {
+    const int64_t m = std::min(kChunk, n - j);
+    kernel(j, m, tmp);
+    to_bf16(tmp, m, o + j);
+  }
+}
+
 // n elements along K, blocks of 32 from scales[0]: fp32 out written directly, bf16 chunked.
 inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                             float* o) {
@@ -187,25 +199,20 @@ inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, 
 }
 inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                             uint16_t* o) {
-  float tmp[kChunk];
-  for (int64_t j = 0; j < n; j += kChunk) {
-    const int64_t m = std::min(kChunk, n - j);
-    cpu::dequantize_row_blocks(fmt, d + j, s + j / kBlock, m, tmp);
-    to_bf16(tmp, m, o + j);
-  }
+  chunked_bf16(n, o, [&](int64_t j, int64_t m, float* t) {
+    cpu::dequantize_row_blocks(fmt, d + j, s + j / kBlock, m, t);
+  });
 }
+// n elements, one scale byte each.
 inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                              float* o) {
   cpu::dequantize_per_element(fmt, d, s, n, o);
 }
 inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                              uint16_t* o) {
-  float tmp[kChunk];
-  for (int64_t j = 0; j < n; j += kChunk) {
-    const int64_t m = std::min(kChunk, n - j);
-    cpu::dequantize_per_element(fmt, d + j, s + j, m, tmp);
-    to_bf16(tmp, m, o + j);
-  }
+  chunked_bf16(n, o, [&](int64_t j, int64_t m, float* t) {
+    cpu::dequantize_per_element(fmt, d + j, s + j, m, t);
+  });
 }
 inline void store(float v, float* o) { *o = v; }
 inline void store(float v, uint16_t* o) { *o = bf16_bits_exact(v); }
