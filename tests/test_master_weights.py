@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 
-from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
+from mx_test_layer import BF16, MXLinearFn, clean_cache, same_bits  # noqa: F401
 
 SHAPES = [(64, 32), (32, 64)]
 

@@ -14,7 +14,7 @@ import zrw
 from zrw import ops
 from zrw import cache
 
-from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
 from zrw.optim import MasterWeights, attach, detach
 
 zrw.memory.install()

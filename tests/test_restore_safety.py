@@ -17,7 +17,7 @@ import zrw
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
 
-from mx_test_layer import BF16, MXLinearFn, bits, clean_cache, param, same_bits  # noqa: F401
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
 
 zrw.memory.install()
 

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 import zrw
-from zrw import cache, memory, ops
+from zrw import cache, memory
 from zrw.optim import MasterWeights, attach
 
 MODES = ("bf16", "cache", "zrw")

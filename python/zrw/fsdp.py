@@ -295,7 +295,6 @@ class PreQuantWeight(torch.Tensor):
 
 
 def _block_planes(data: Tensor, block: Tensor, outer_size) -> Dict[str, Tensor]:
-    n, k = outer_size[-2], outer_size[-1]
     return {"fwd_data": data, "bwd_data": data,
             "fwd_scale": ops.expand_block_scale(block, outer_size, -1).contiguous(),
             "bwd_scale": ops.expand_block_scale(block, outer_size, -2).contiguous()}
