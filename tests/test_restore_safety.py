@@ -388,3 +388,21 @@ def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_int
     cache.restore_all("dequant")
     torch.save(model.state_dict(), path)  # restored: an ordinary state dict again
     assert path.read_bytes() != old
+
+
+def test_cache_invalidate_with_master_fill():
+    w, v, u = param(64, 64, seed=7), param(64, 64, seed=8), param(64, 64, seed=9)
+    opt = MasterWeights(torch.optim.SGD, [w], lr=0.1)
+    with torch.no_grad():
+        opt.masters[0][0].mul_(-1)
+    assert cache.cache_invalidate(w, "master") is False  # no entry
+    cache.quant_and_release(u, release=False)
+    assert cache.cache_invalidate(u, "master") is True and not cache.is_cached(u)
+    cache.quant_and_release(w)
+    assert cache.cache_invalidate(w, "master") is True
+    assert not cache.is_cached(w) and same_bits(w.detach(), opt.masters[0][0].to(BF16))
+    cache.quant_and_release(v, name="v")
+    with pytest.raises(ValueError, match="needs the FP32 master of weight 'v'"):
+        cache.cache_invalidate(v, "master")
+    assert cache.is_released(v)
+    cache.restore(v, "dequant")

@@ -233,20 +233,14 @@ def restore_all(fill: str = "master") -> int:
     _check_fill(op, fill)
     if fill != "master":
         return torch.ops.zrw.restore_all(fill)
-    pairs = [(w, master_of(w)) for w in list(_masters.keys())]
-    pairs = [(w, m) for w, m in pairs if m is not None]
     errors = []
     n = 0
-    if pairs:
-        ws = [w for w, _ in pairs]
-        states = torch.ops.zrw.cache_states(ws)
-        # Released this step (2); frozen entries (3) stay FP8-only.
-        released = [(w, m) for (w, m), st in zip(pairs, states) if st == 2]
-        try:
-            n += torch.ops.zrw.restore_weights([w for w, _ in released], "master",
-                                               [m for _, m in released])
-        except RuntimeError as e:
-            errors.append(str(e))
+    # The weights with a live master first (restore_weights skips frozen entries), then the rest.
+    with_master = [w for w in list(_masters.keys()) if master_of(w) is not None]
+    try:
+        n += restore_weights(with_master, "master")
+    except RuntimeError as e:
+        errors.append(str(e))
     try:
         n += torch.ops.zrw.restore_all("dequant")
     except RuntimeError as e:
@@ -304,14 +298,11 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
     _check_tensor(op, "w", w)
     _check_fill(op, fill)
     if fill == "master":
-        if torch.ops.zrw.cache_state(w) == 0:
-            return False
-        if torch.ops.zrw.cache_state(w) >= 2 and master_of(w) is not None:
-            restore(w, "master")
-            return True
-        if torch.ops.zrw.cache_state(w) >= 2:
-            raise _no_master_error(op, w)
-        fill = "dequant"
+        state = torch.ops.zrw.cache_state(w)
+        if state < 2:  # nothing released: nothing to fill
+            return state != 0 and torch.ops.zrw.cache_invalidate(w, "dequant")
+        restore(w, "master")  # raises the explanatory error if w has no master
+        return True
     return torch.ops.zrw.cache_invalidate(w, fill)
 
 
