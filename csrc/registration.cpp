@@ -30,7 +30,11 @@ TORCH_LIBRARY(zrw, m) {
   // fill "master" takes its values from `source` (the FP32 master).
   m.def("restore(Tensor w, str fill, Tensor? source) -> ()");
   m.def("restore_weights(Tensor[] weights, str fill, Tensor?[] sources) -> int");
-  m.def("assign_weights(Tensor[] weights, Tensor[] sources) -> int");
+  // keep_released: a released weight stays released and takes its source (an FP32 master) as the
+  // values its next quantization reads (the BF16-free optimizer step).
+  m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False) -> int");
+  // The FP32 master a released weight's entry holds (keep_released), or None.
+  m.def("cache_master(Tensor w) -> Tensor?");
   m.def("restore_all(str fill) -> int");
   m.def("cache_invalidate(Tensor w, str fill) -> bool");
   m.def("cache_clear(str fill) -> ()");

@@ -45,6 +45,14 @@ def same_bits(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
+def value(w):
+    """A weight's BF16 value: a weight released by the BF16-free step (MasterWeights'
+    default) holds none, its value is bf16 of its master."""
+    if cache.is_released(w) and cache.master_of(w) is not None:
+        return cache.master_of(w).to(w.dtype)
+    return w.detach().clone()
+
+
 def param(*shape, seed=0, requires_grad=True):
     """A bf16 Parameter of randn values from its own generator."""
     g = torch.Generator().manual_seed(seed)

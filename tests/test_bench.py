@@ -56,11 +56,27 @@ def test_bench_cache_json():
     for recipe in ("mxfp8", "mxfp8-32x32"):
         op = r["op"][recipe]["64x96"]
         assert all(positive(op[k]) for k in ("bare_ms", "miss_ms", "miss_no_release_ms", "hit_us"))
-        for boundary in ("master", "dequant"):
+        for boundary in ("bf16-free", "master", "dequant"):
             step = r["step"][recipe][boundary]
             # exact: the MLP's 2 bf16 weights of 64 x 64 are released, nothing else
             assert step["released_bytes"] == 2 * 64 * 64 * 2
             assert positive(step["step_ms"]) and positive(step["restore_ms"])
+
+
+def test_bench_step_json_memory_in_units_of_n():
+    r = run_bench("step", "--dim", "128", "--layers", "4", "--tokens", "8", "--micro", "1",
+                  "--steps", "2")
+    for foreach in ("False", "True"):
+        runs = r["foreach"][foreach]
+        n = runs["cache"]["n"]
+        assert n == 4 * 128 * 128
+        # The BF16-free step's peak is cache's minus the BF16 weights (2N), within 1%; the
+        # seed's restore saves less (the FP8 copies live through its inner step).
+        assert abs(runs["bf16-free"]["peak_saving_vs_cache_per_n"] - 2.0) <= 0.02, runs
+        assert runs["restore"]["peak_saving_vs_cache_per_n"] < 2.0 - 0.5
+        # masters 4 + AdamW moments 8 + BF16 grads 2 (+ FP8 copies, + BF16 weights in cache)
+        assert runs["bf16-free"]["start_per_n"] >= 14.0
+        assert runs["cache"]["start_per_n"] - runs["bf16-free"]["start_per_n"] >= 2.0
 
 
 def test_bench_linear_json():

@@ -195,6 +195,7 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
                 msg = str(e)
                 ok = ("'layer.weight'" in msg and "is released" in msg
                       and "zrw.cache.restore" in msg and "zrw.optim.attach" in msg
+                      and "state_dict()" in msg
                       and "zrw.no_release()" in msg)
                 print(("RAISED " if ok else "WRONG_MESSAGE ") + recipe + " " + key, flush=True)
                 if not ok:
@@ -793,7 +794,7 @@ def test_invalid_fill_raises_and_keeps_weight_released(bad):
     # The native op names the valid fills; "master" needs the master as its source.
     with pytest.raises(ValueError, match="fill must be one of"):
         torch.ops.zrw.restore(w, bad, None)
-    with pytest.raises(ValueError, match=r'fill "master" of weight \'w\' needs its master'):
+    with pytest.raises(ValueError, match=r'fill "master" needs the FP32 master of weight \'w\''):
         torch.ops.zrw.restore(w, "master", None)
     assert cache.is_released(w)
 

@@ -14,7 +14,7 @@ import zrw
 from zrw import ops
 from zrw import cache
 
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 from zrw.optim import MasterWeights, attach, detach
 
 zrw.memory.install()
@@ -46,8 +46,9 @@ class MLP(torch.nn.Module):
 DIM, LAYERS, SKIP, STEPS, MICRO, BATCH = 256, 4, 2, 5, 4, 4
 
 
-def train(recipe, release, steps=STEPS):
-    """4 microbatches x `steps` steps with MasterWeights(AdamW) attached. Returns losses, final
+def train(recipe, release, keep_released=True, steps=STEPS):
+    """4 microbatches x `steps` steps with MasterWeights(AdamW) attached (keep_released: the
+    BF16-free step, or the seed's restore at the step). Returns losses, final
     weights, and per step what a pre-hook registered BEFORE attach's hook saw: the allocator's
     peak since the first forward, its current bytes (both counted from the live bytes at the
     start of the run), cache_stats, and which weights were released."""
@@ -56,7 +57,8 @@ def train(recipe, release, steps=STEPS):
     torch.manual_seed(0)
     model = MLP(DIM, LAYERS, SKIP)
     ws = [l.weight for l in model.layers]
-    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2, weight_decay=0.01,
+                        keep_released=keep_released)
     seen = []
 
     def record(o, args, kwargs):  # runs before attach's pre-hook: weights still released
@@ -86,25 +88,29 @@ def train(recipe, release, steps=STEPS):
             assert ws[SKIP].grad is None  # no gradient for that weight in this step
         opt.step()
         opt.zero_grad()
-        assert not any(cache.is_released(w) for w in ws)
-    return dict(losses=losses, weights=[w.detach().clone() for w in ws], seen=seen,
+        # The seed's boundary restores every weight; the BF16-free step keeps them released.
+        assert [cache.is_released(w) for w in ws] == [release and keep_released] * LAYERS
+    return dict(losses=losses, weights=[value(w) for w in ws], seen=seen,
                 bf16_bytes=[w.numel() * w.element_size() for w in ws])
 
 
-@pytest.fixture(scope="module", params=list(cache.RECIPES))
+@pytest.fixture(scope="module", params=[(r, keep) for r in cache.RECIPES for keep in (True, False)],
+                ids=lambda p: f"{p[0]}-{'bf16_free' if p[1] else 'restore'}")
 def runs(request):
-    """The same training run with release on and off (module-scoped: run once per recipe)."""
+    """The same training run with release on and off (module-scoped: run once per recipe and
+    boundary mode)."""
+    recipe, keep = request.param
     cache.cache_clear()
     gc.collect()
     gc.disable()
     try:
-        off = train(request.param, release=False)
+        off = train(recipe, release=False, keep_released=keep)
         gc.collect()
-        on = train(request.param, release=True)
+        on = train(recipe, release=True, keep_released=keep)
     finally:
         gc.enable()
         cache.cache_clear()
-    return request.param, on, off
+    return recipe, on, off
 
 
 @pytest.mark.slow  # shares the module-scoped training runs (a few seconds per recipe)
@@ -156,7 +162,7 @@ def test_peak_drops_by_released_bf16_bytes(runs):
 
 def test_step_counter_and_cache_emptied_at_boundary():
     w = param(64, 64, seed=1)
-    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
+    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3, keep_released=False))
     after = []
     opt.register_step_post_hook(lambda o, a, k: after.append(cache.cache_stats()))
     step0 = cache.cache_stats()["step"]
@@ -173,12 +179,31 @@ def test_step_counter_and_cache_emptied_at_boundary():
     assert [a["step"] for a in after] == [step0 + 1, step0 + 2]  # post-hook: next_step
 
 
+def test_bf16_free_boundary_keeps_the_weight_released_with_its_master_only():
+    w = param(64, 64, seed=1)
+    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
+    for step in range(2):
+        x = torch.randn(4, 64).to(BF16)
+        MXLinearFn.apply(x, w, cache.quant_and_release(w, name="w")).sum().backward()
+        st = cache.cache_stats()
+        assert st["misses"] == step + 1 and st["fp8_bytes"] > 0 and st["pending"] == 0
+        opt.step()
+        opt.zero_grad()
+        st = cache.cache_stats()
+        # Released, no FP8 bytes: the master is the copy until the next use quantizes it.
+        assert cache.is_released(w) and st["fp8_bytes"] == 0 and st["pending"] == 1
+        assert cache.master_of(w) is opt.masters[0][0]
+        assert st["restored"] == 0
+    cache.restore(w, "master")
+    assert same_bits(w, opt.masters[0][0].to(BF16))
+
+
 def test_master_weights_restores_at_its_write_back_plain_optimizer_in_the_pre_hook():
     # MasterWeights restores a released weight when it writes its master back (after the inner
     # step: the BF16 bytes are not resident during it, and are filled before they are
     # visible); an optimizer that steps the weights itself gets them in the boundary's pre-hook.
     w = param(64, 64, seed=2)
-    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
+    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3, keep_released=False))
     order = []
     opt.register_step_pre_hook(lambda o, a, k: order.append(("pre", cache.is_released(w))))
     opt.register_step_post_hook(lambda o, a, k: order.append(("post", cache.is_released(w))))
@@ -246,7 +271,7 @@ def test_attach_dequant_with_plain_adamw():
 
 def test_detach_removes_boundary():
     w = param(32, 32)
-    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3))
+    opt = attach(MasterWeights(torch.optim.AdamW, [w], lr=1e-3, keep_released=False))
     detach(opt)
     assert getattr(opt, "_zrw_boundary_hooks") is None
     cache.quant_and_release(w, name="w")
@@ -273,7 +298,7 @@ def test_detach_removes_boundary():
 
 def test_master_weights_writes_params_without_grad_after_empty_restore():
     a, b = param(64, 64, seed=4), param(64, 64, seed=5)
-    opt = attach(MasterWeights(torch.optim.AdamW, [a, b], lr=1e-2))
+    opt = attach(MasterWeights(torch.optim.AdamW, [a, b], lr=1e-2, keep_released=False))
     # Masters that differ from the BF16 values, so stale bytes cannot pass for the write.
     with torch.no_grad():
         for m in (opt.masters[0][0], opt.masters[0][1]):

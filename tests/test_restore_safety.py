@@ -17,7 +17,7 @@ import zrw
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
 
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 zrw.memory.install()
 
@@ -215,16 +215,22 @@ class _FailingSGD(torch.optim.SGD):
         raise RuntimeError("inner step failed")
 
 
-def test_master_weights_write_back_runs_even_when_the_inner_step_fails():
+@pytest.mark.parametrize("keep_released", [False, True])
+def test_master_weights_write_back_runs_even_when_the_inner_step_fails(keep_released):
     ws = [param(64, 64, seed=i) for i in range(3)]
-    opt = attach(MasterWeights(_FailingSGD, ws, lr=0.1))
+    opt = attach(MasterWeights(_FailingSGD, ws, lr=0.1, keep_released=keep_released))
     for w in ws:
         cache.quant_and_release(w)
         w.grad = torch.ones_like(w)
     with pytest.raises(RuntimeError, match="inner step failed"):
         opt.step()
     # Every weight holds bf16 of its master (the first one's moved): never garbage, never lost.
+    if keep_released:  # released, their values the masters': no FP8 copy of the old values
+        assert cache.cache_stats()["pending"] == 3
     for w, m in zip(ws, opt.masters[0]):
+        if keep_released:
+            assert cache.is_released(w) and cache.master_of(w) is m
+            cache.restore(w, "master")
         assert not cache.is_released(w) and same_bits(w.detach(), m.to(BF16))
 
 
@@ -233,7 +239,7 @@ def test_master_weights_write_back_runs_even_when_the_inner_step_fails():
 
 def test_boundary_restores_only_the_parameters_its_optimizer_owns():
     a, b, c = param(64, 64, seed=1), param(64, 64, seed=2), param(64, 64, seed=3)
-    opt_a = attach(MasterWeights(torch.optim.AdamW, [a], lr=1e-2))
+    opt_a = attach(MasterWeights(torch.optim.AdamW, [a], lr=1e-2, keep_released=False))
     opt_b = attach(torch.optim.SGD([b], lr=0.1), fill="dequant")
     qc = cache.quant_and_release(c, name="c")  # in no optimizer
     for w in (a, b):
@@ -355,7 +361,7 @@ def test_concurrent_zrw_calls_on_other_threads_keep_entries_consistent():
                 opt.step()
                 opt.zero_grad()
             for w, m in zip(ws, opt.masters[0]):
-                assert same_bits(w.detach(), m.to(BF16))
+                assert same_bits(value(w), m.to(BF16))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

@@ -91,7 +91,14 @@ struct Entry {
   std::string scale_mode;
   // mxfp8: {data_fwd, scale_fwd, data_bwd, scale_bwd};
   // mxfp8-32x32: {data, scale_fwd, data, scale_bwd, block_scale} (one data tensor, twice).
+  // Empty for a released weight that waits for its next quantization from `master`.
   std::vector<at::Tensor> tensors;
+  // The BF16-free optimizer step (assign_weights with keep_released): the FP32 master whose
+  // rounding to `dtype` is the released weight's value. Its next first use quantizes straight
+  // from it (mx_quantize_*_from_master: the same bytes as quantizing the BF16 weight), and a
+  // restore reads it exactly. Held strongly: while the weight is released it is the only
+  // full-precision record of its value, even if the optimizer that owns it is gone.
+  at::Tensor master;
   int64_t storage_nbytes = 0;  // the storage's bytes before release
   // What the weight was released as: the storage (kept: it holds no bytes while released, and
   // a restore writes into it and nowhere else), the dtype and the geometry of the bytes.
@@ -213,6 +220,20 @@ class WeightCache {
       // step boundary, and a write through `.data` bumps no version, so each eval pass
       // quantizes the current values.
       const bool replaced = e.released && !layout_mismatch(w, e).empty();
+      if (e.released && !replaced && e.tensors.empty()) {
+        // Released with its master after the optimizer step: quantize from the master, in the
+        // requested recipe; the weight stays released (no BF16 bytes are allocated).
+        TORCH_CHECK(e.master.defined(), op, ": weight '", e.name, "' is released without an "
+                    "FP8 copy or a master (internal error)");
+        e.tensors = quantize_from_master(e.master, e.dtype, recipe, elem_dtype, scale_mode);
+        e.recipe = recipe;
+        e.elem_dtype = elem_dtype;
+        e.scale_mode = scale_mode;
+        e.step = step_;
+        ++e.misses;
+        ++misses_;
+        return e.tensors;
+      }
       const bool eval_copy = !e.released && e.status == kSkipNoGrad;
       const bool fresh =
           e.released ? !replaced
@@ -317,7 +338,12 @@ class WeightCache {
   // Every weight gets its source's values (w.copy_(source): rounded to w's dtype). A released
   // one is restored from the source into fresh bytes; any other is written in place. Their
   // entries are dropped; frozen released entries stay. Returns the number restored.
-  int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs) {
+  //
+  // keep_released (the BF16-free step): a released weight stays released; its FP8 copy is
+  // dropped and the entry keeps the source (which must be FP32, the master) for its next
+  // quantization and for any restore. Returns the number kept released then.
+  int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs,
+                         bool keep_released) {
     constexpr const char* op = "zrw.assign_weights";
     TORCH_CHECK_VALUE(ws.size() == srcs.size(), op, ": weights and sources must have the same "
                       "length, got ", ws.size(), " and ", srcs.size());
@@ -336,7 +362,16 @@ class WeightCache {
         TORCH_CHECK_VALUE(srcs[i].sizes() == w.sizes(), op, ": source ", i, " must have the "
                           "weight's shape ", w.sizes(), ", got ", srcs[i].sizes());
         if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
-          fill_and_install_locked(op, *e, Fill::Master, srcs[i]);
+          if (keep_released) {
+            TORCH_CHECK_VALUE(srcs[i].scalar_type() == at::kFloat, op, ": source ", i,
+                              " of released weight '", e->name, "' must be its float32 master "
+                              "(keep_released quantizes from it), got ", srcs[i].scalar_type());
+            TORCH_CHECK_VALUE(srcs[i].device() == w.device(), op, ": source ", i,
+                              " of weight '", e->name, "' must be on the weight's device ",
+                              w.device(), ", got ", srcs[i].device());
+          } else {
+            fill_and_install_locked(op, *e, Fill::Master, srcs[i]);
+          }
           restored = true;
         } else {
           // Not released, or its data was replaced after the release: w holds live bytes.
@@ -345,12 +380,27 @@ class WeightCache {
         }
       });
       if (ok) {
-        if (e != nullptr) table_.erase(it);
+        if (keep_released && restored) {
+          e->tensors.clear();  // the master is the copy now: no FP8 bytes through the step
+          e->master = srcs[i];
+        } else if (e != nullptr) {
+          table_.erase(it);
+        }
         n += restored;
       }
     }
     failures.raise_if_any();
     return n;
+  }
+
+  // The master a released weight's entry holds (keep_released), or nothing.
+  std::optional<at::Tensor> master(const at::Tensor& w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = table_.find(w.unsafeGetTensorImpl());
+    if (it == table_.end() || !it->second.released || !it->second.master.defined()) {
+      return std::nullopt;
+    }
+    return it->second.master;
   }
 
   // Every trainable weight: drop the FP8 entries, restore the released storages. Frozen
@@ -427,7 +477,7 @@ class WeightCache {
       }
       it = drop ? table_.erase(it) : std::next(it);
     }
-    hits_ = misses_ = 0;
+    hits_ = misses_ = restored_ = restored_bytes_ = 0;
     skips_.clear();
     failures.raise_if_any();
   }
@@ -440,20 +490,30 @@ class WeightCache {
   std::tuple<std::vector<std::string>, std::vector<int64_t>> stats() {
     std::lock_guard<std::mutex> lock(mu_);
     sweep_locked();
-    int64_t fp8 = 0, released_bytes = 0, released = 0, frozen = 0;
+    int64_t fp8 = 0, released_bytes = 0, released = 0, frozen = 0, pending = 0;
     for (const auto& [key, e] : table_) {
       fp8 += fp8_bytes(e);
       if (e.released) {
         ++released;
         released_bytes += e.storage_nbytes;
+        pending += e.tensors.empty();
       }
       frozen += e.frozen;
     }
-    std::vector<std::string> names = {"entries", "fp8_bytes",       "released",
-                                      "released_bytes", "frozen", "hits",
-                                      "misses",  "step"};
-    std::vector<int64_t> values = {static_cast<int64_t>(table_.size()), fp8, released,
-                                   released_bytes, frozen, hits_, misses_, step_};
+    std::vector<std::string> names = {"entries", "fp8_bytes", "released", "released_bytes",
+                                      "frozen",  "pending",   "restored", "restored_bytes",
+                                      "hits",    "misses",    "step"};
+    std::vector<int64_t> values = {static_cast<int64_t>(table_.size()),
+                                   fp8,
+                                   released,
+                                   released_bytes,
+                                   frozen,
+                                   pending,
+                                   restored_,
+                                   restored_bytes_,
+                                   hits_,
+                                   misses_,
+                                   step_};
     for (const char* reason : kSkipReasons) {
       names.push_back(std::string("skip_") + reason);
       auto s = skips_.find(reason);
@@ -542,6 +602,34 @@ class WeightCache {
     return {data, scale_fwd, data, scale_bwd, block};
   }
 
+  // The copy of a released weight whose value is master.to(dtype): the fused ops round each
+  // FP32 element to the weight's dtype and quantize it in one read (bytes equal to quantizing
+  // the BF16 weight); an FP32 weight is its master.
+  static std::vector<at::Tensor> quantize_from_master(const at::Tensor& master,
+                                                      at::ScalarType dtype, Recipe recipe,
+                                                      at::ScalarType elem_dtype,
+                                                      const std::string& scale_mode) {
+    if (dtype == at::kFloat) return quantize(master, recipe, elem_dtype, scale_mode);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (recipe == Recipe::MXFP8) {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("zrw::mx_quantize_dual_from_master", "")
+                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                               const at::Tensor&, at::ScalarType, at::ScalarType,
+                               c10::string_view)>();
+      auto [df, sf, db, sb] = op.call(master, dtype, elem_dtype, scale_mode);
+      return {df, sf, db, sb};
+    }
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("zrw::mx_quantize_block_from_master", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(
+                             const at::Tensor&, at::ScalarType, at::ScalarType,
+                             c10::string_view)>();
+    auto [data, block] = op.call(master, dtype, elem_dtype, scale_mode);
+    return {data, mx::mx_expand_block_scale(block, master.size(-2), master.size(-1), -1), data,
+            mx::mx_expand_block_scale(block, master.size(-2), master.size(-1), -2), block};
+  }
+
   // The release guard (DESIGN.md §5). Returns kReleased or the reason to keep the storage.
   static const char* release_guard(const at::Tensor& w, bool release, bool release_frozen) {
     if (!release) return kSkipReleaseFalse;
@@ -579,11 +667,14 @@ class WeightCache {
     // and cache_stats()["released_bytes"] account for them.
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(
         "zrw: the BF16 storage of weight '" + e.name +
-        "' is released (zero-redundancy weights: only its MXFP8 copy lives between the first "
-        "forward of a step and the optimizer step). It holds no data now; read it after the "
-        "optimizer boundary (zrw.optim.attach) restores it, or restore it explicitly with "
-        "zrw.cache.restore(w, fill=\"master\") (exact, with zrw.optim.MasterWeights) or "
-        "fill=\"dequant\" (lossy), or run this code under zrw.no_release()");
+        "' is released (zero-redundancy weights: only its MXFP8 copy, or with "
+        "zrw.optim.MasterWeights its FP32 master, holds its values). It holds no data now. To "
+        "get the values: model.state_dict() (exact, materialized from the master one tensor at "
+        "a time), zrw.cache.restore(w, fill=\"master\") (exact, with MasterWeights) or "
+        "fill=\"dequant\" (lossy), or zrw.cache.restore_all(\"master\") for every weight; "
+        "the optimizer boundary restores it with zrw.optim.attach(opt, fill=\"dequant\") or "
+        "MasterWeights(..., keep_released=False); code that must see BF16 weights can run "
+        "under zrw.no_release()");
   }
 
   static void check_restorable(const char* op, const at::Tensor& w, const Entry& e) {
@@ -598,10 +689,20 @@ class WeightCache {
   // Allocates the released bytes, fills them, and only then installs them and clears the
   // poison: an exception anywhere before the last two lines changes nothing (the DataPtr frees
   // the new bytes). The fill uses the geometry recorded at release, never the weight's view.
-  static void fill_and_install_locked(const char* op, const Entry& e, Fill fill,
-                                      const std::optional<at::Tensor>& source) {
+  //
+  // The entry's own master (keep_released) serves fill "master" when no source is passed, and
+  // "dequant" too: it is exact, and a weight waiting for its quantization has no FP8 copy.
+  void fill_and_install_locked(const char* op, const Entry& e, Fill fill,
+                               std::optional<at::Tensor> source) {
+    if ((fill == Fill::Master || fill == Fill::Dequant) && e.master.defined() &&
+        !(source.has_value() && source->defined())) {
+      fill = Fill::Master;
+      source = e.master;
+    }
     TORCH_CHECK_VALUE(fill != Fill::Master || (source.has_value() && source->defined()), op,
-                      ": fill \"master\" of weight '", e.name, "' needs its master (source)");
+                      ": fill \"master\" needs the FP32 master of weight '", e.name, "', but it "
+                      "has none: wrap the optimizer in zrw.optim.MasterWeights, or use "
+                      "fill=\"dequant\" (lossy)");
     c10::StorageImpl* s = e.storage.get();
     c10::Allocator* alloc = s->allocator();
     if (alloc == nullptr) alloc = c10::GetAllocator(s->device_type());
@@ -630,12 +731,16 @@ class WeightCache {
     }
     s->set_data_ptr_noswap(std::move(bytes));
     s->clear_data_ptr_access_error_msg_();
+    ++restored_;
+    restored_bytes_ += e.storage_nbytes;
   }
 
   std::mutex mu_;
   std::unordered_map<c10::TensorImpl*, Entry> table_;
   std::map<std::string, int64_t> skips_;
   int64_t hits_ = 0, misses_ = 0, step_ = 0;
+  // Released storages given bytes again (every fill_and_install_locked), since cache_clear.
+  int64_t restored_ = 0, restored_bytes_ = 0;
 };
 
 std::vector<at::Tensor> quant_and_release(const at::Tensor& w, c10::string_view recipe,
@@ -658,9 +763,11 @@ int64_t restore_weights(at::TensorList weights, c10::string_view fill,
   return WeightCache::get().restore_weights(weights.vec(), std::string(fill), srcs);
 }
 
-int64_t assign_weights(at::TensorList weights, at::TensorList sources) {
-  return WeightCache::get().assign_weights(weights.vec(), sources.vec());
+int64_t assign_weights(at::TensorList weights, at::TensorList sources, bool keep_released) {
+  return WeightCache::get().assign_weights(weights.vec(), sources.vec(), keep_released);
 }
+
+std::optional<at::Tensor> cache_master(const at::Tensor& w) { return WeightCache::get().master(w); }
 
 int64_t restore_all(c10::string_view fill) {
   return WeightCache::get().restore_all(std::string(fill));
@@ -702,7 +809,8 @@ std::vector<int64_t> cache_states(at::TensorList weights) {
   m.impl("assign_weights", &assign_weights);        \
   m.impl("cache_invalidate", &cache_invalidate);    \
   m.impl("cache_state", &cache_state);              \
-  m.impl("cache_states", &cache_states)
+  m.impl("cache_states", &cache_states);              \
+  m.impl("cache_master", &cache_master)
 
 TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) { ZRW_CACHE_TENSOR_OPS(m); }
 

@@ -7,7 +7,9 @@ module is everything that changes what a weight holds:
   quant_and_release(w)    first use in a step: quantize, file the FP8 copy, release the BF16
   restore(w, fill)        bring one released weight back (raises if it is not released)
   restore_weights(ws, ..) the boundary of one optimizer: exactly the weights it owns
-  assign_weights(ws, srcs) write new values (an FP32 master) into weights, released or not
+  assign_weights(ws, srcs) write new values (an FP32 master) into weights, released or not;
+                          keep_released=True: a released weight stays released and its next
+                          use quantizes straight from the master (the BF16-free step)
   restore_all(fill)       every released trainable weight
 
 Guarantees (the README's "Guarantees" section): a restore checks that the weight still has the
@@ -149,9 +151,13 @@ def register_master(weight: Tensor, master: Tensor) -> None:
 
 
 def master_of(weight: Tensor) -> Optional[Tensor]:
-    """The FP32 master registered for `weight` (by MasterWeights), or None."""
+    """The FP32 master of `weight`: the one registered (by MasterWeights), else the one its cache
+    entry holds while it is released after a keep_released write-back, or None."""
     ref = _masters.get(weight)
-    return None if ref is None else ref()
+    master = None if ref is None else ref()
+    if master is None:
+        master = torch.ops.zrw.cache_master(weight)
+    return master
 
 
 def _no_master_error(op: str, w: Tensor) -> ValueError:
@@ -203,19 +209,31 @@ def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
 
 
 @torch._dynamo.disable
-def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor]) -> int:
+def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
+                   keep_released: bool = False) -> int:
     """Write each source's values (rounded to the weight's dtype, as `w.copy_(source)`) into its
     weight and drop the weight's FP8 entry: a released weight gets fresh bytes that are filled
     before the release poison is cleared (no reader ever sees uninitialized memory), any other
     is written in place. Frozen entries (release_frozen) stay. The write-back of
-    MasterWeights. Returns the number of released weights restored."""
+    MasterWeights. Returns the number of released weights restored.
+
+    keep_released=True is the BF16-free write-back, and the hook for an optimizer that keeps
+    its own FP32 masters: a released weight is not restored; its FP8 copy is dropped and its
+    entry keeps the source (which must be the float32 master, on the weight's device, and must
+    not change until the next write-back) as the weight's value. The weight's next use
+    quantizes straight from the master with one fused op that rounds each element to the
+    weight's dtype first (the same bytes as quantizing `master.to(w.dtype)`); a restore (any
+    fill but "zeros"/"empty") writes `master.to(w.dtype)` exactly. Weights that are not released
+    are written in place as above. Returns the number of weights kept released."""
     op = "zrw.cache.assign_weights"
     ws = _tensor_list(op, "weights", weights)
     srcs = _tensor_list(op, "sources", sources)
     if len(ws) != len(srcs):
         raise ValueError(f"{op}: weights and sources must have the same length, got {len(ws)} "
                          f"and {len(srcs)}")
-    return torch.ops.zrw.assign_weights(ws, srcs)
+    if not isinstance(keep_released, bool):
+        raise TypeError(f"{op}: keep_released must be a bool, got {type(keep_released).__name__}")
+    return torch.ops.zrw.assign_weights(ws, srcs, keep_released)
 
 
 @torch._dynamo.disable
@@ -308,8 +326,10 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
 
 def cache_stats() -> Dict[str, int]:
     """entries, fp8_bytes (held), released / released_bytes (BF16 bytes currently freed), frozen,
-    hits, misses, step, and skip_<reason> counts: release_false, no_grad, non_leaf, frozen,
-    flat_buffer (storage larger than the tensor or at an offset), aliased (storage shared)."""
+    pending (released weights waiting to be quantized from their master), restored /
+    restored_bytes (released storages given bytes again, since cache_clear), hits, misses, step,
+    and skip_<reason> counts: release_false, no_grad, non_leaf, frozen, flat_buffer (storage
+    larger than the tensor or at an offset), aliased (storage shared)."""
     names, values = torch.ops.zrw.cache_stats()
     return dict(zip(names, values))
 

@@ -2,18 +2,23 @@
 
 `zrw-demo` / `python -m zrw.demo` reproduces, on a CPU in a few minutes, the experiment of the
 seed document (zero_redundancy_weight_design.txt §5): a tiny Qwen3 (dense) and a tiny Qwen3-MoE,
-built from transformers configs with random init (nothing is downloaded), each trained in three
+built from transformers configs with random init (nothing is downloaded), each trained in four
 modes on the same data:
-  bf16      plain BF16 nn.Linear / experts (the baseline)
-  cache     zrw MXFP8 layers, FP8 weights cached once per step, BF16 weights kept
-  zrw       zrw MXFP8 layers with zero-redundancy: BF16 weights released between the first
-            forward of a step and the optimizer step
-All three use the same optimizer: zrw.optim.MasterWeights(AdamW) with FP32 masters.
+  bf16         plain BF16 nn.Linear / experts (the baseline)
+  cache        zrw MXFP8 layers, FP8 weights cached once per step, BF16 weights kept
+  zrw-restore  zero-redundancy as the seed designs it: BF16 weights released from the first
+               forward of a step, restored from the FP32 masters at the optimizer step
+               (MasterWeights(..., keep_released=False))
+  zrw          the BF16-free step (the default): BF16 weights released at the first forward and
+               never restored; each step's first use quantizes straight from the FP32 master
+All four use the same optimizer: zrw.optim.MasterWeights(AdamW) with FP32 masters.
 
 Memory is measured with zrw.memory's counting allocator, installed before any model exists: the
 peak live bytes of the forward/backward window (first forward to the optimizer pre-hook) and of
 the optimizer step, per mode. The zero-redundancy saving is the window peak of `cache` minus that
 of `zrw`; it should equal the BF16 bytes released (the theoretical 2 bytes per converted weight).
+The step's global peak is the larger of the two; the BF16-free step saves 2N there too, also
+when the optimizer step is the peak.
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ import zrw
 from zrw import cache, memory
 from zrw.optim import MasterWeights, attach
 
-MODES = ("bf16", "cache", "zrw")
-MODE_LABELS = {"bf16": "BF16", "cache": "MXFP8 cache, no release", "zrw": "MXFP8 zero-redundancy"}
+MODES = ("bf16", "cache", "zrw-restore", "zrw")
+MODE_LABELS = {"bf16": "BF16", "cache": "MXFP8 cache, no release",
+               "zrw-restore": "zero-redundancy, restore at step (seed)",
+               "zrw": "zero-redundancy, BF16-free step"}
 
 
 @dataclass
@@ -112,12 +119,13 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
     model = build_model(kind, c)
     res = RunResult(mode)
     if mode != "bf16":
-        summary = zrw.convert(model, c.recipe, release=(mode == "zrw"))
+        summary = zrw.convert(model, c.recipe, release=(mode != "cache"))
         res.converted_bf16_bytes = sum(
             p.numel() * p.element_size() for n, p in model.named_parameters()
             if any(n.startswith(m + ".") for m in summary.converted))
     model.train()
-    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=c.lr, weight_decay=0.0)
+    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=c.lr, weight_decay=0.0,
+                        keep_released=(mode != "zrw-restore"))
 
     marks: Dict[str, int] = {}
     timeline: List[tuple] = []
@@ -192,16 +200,19 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
 
 
 def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
-    bf16, cache, zr = runs["bf16"], runs["cache"], runs["zrw"]
+    cache, zr = runs["cache"], runs["zrw"]
     saving = cache.window_peak - zr.window_peak
     theory = zr.converted_bf16_bytes
     final = {m: sum(r.losses[-c.micro_batches:]) / c.micro_batches for m, r in runs.items()}
-    same = cache.losses == zr.losses
-    max_diff = max((abs(a - b) for a, b in zip(cache.losses, zr.losses)), default=0.0)
+    released_modes = [m for m in MODES if m.startswith("zrw")]
+    same = all(cache.losses == runs[m].losses for m in released_modes)
+    max_diff = max((abs(a - b) for m in released_modes
+                    for a, b in zip(cache.losses, runs[m].losses)), default=0.0)
     global_peak = {}
     for m, r in runs.items():
         where = "optimizer step" if r.optimizer_peak > r.window_peak else "forward/backward"
         global_peak[m] = {"bytes": max(r.window_peak, r.optimizer_peak), "phase": where}
+    n_conv = theory // 2  # converted weight elements (BF16: 2 bytes each)
     return {
         "model": kind,
         "recipe": c.recipe,
@@ -211,7 +222,8 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
         "loss_diff_to_bf16": {m: final[m] - final["bf16"] for m in MODES},
         "loss_diff_release_on_off": max_diff,
         "losses_bitwise_equal_release_on_off": same,
-        "weights_equal_release_on_off": cache.final_weights_digest == zr.final_weights_digest,
+        "weights_equal_release_on_off": all(cache.final_weights_digest == runs[m].final_weights_digest
+                                            for m in released_modes),
         "window_peak_bytes": {m: r.window_peak for m, r in runs.items()},
         "optimizer_peak_bytes": {m: r.optimizer_peak for m, r in runs.items()},
         "global_peak": global_peak,
@@ -220,6 +232,13 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
         "measured_saving_bytes": saving,
         "saving_vs_released": saving / zr.released_bytes if zr.released_bytes else None,
         "saving_vs_theory": saving / theory if theory else None,
+        # Against cache-only, per zero-redundancy mode: the optimizer step's peak and the
+        # step's global peak (the larger of window and optimizer step).
+        "optimizer_peak_saving_bytes": {m: cache.optimizer_peak - runs[m].optimizer_peak
+                                        for m in released_modes},
+        "global_peak_saving_bytes": {m: global_peak["cache"]["bytes"] - global_peak[m]["bytes"]
+                                     for m in released_modes},
+        "converted_elements": n_conv,
         "seconds_per_step": {m: r.seconds_per_step for m, r in runs.items()},
         "losses": {m: r.losses for m, r in runs.items()},
         "timeline": {m: r.timeline for m, r in runs.items()},
@@ -233,12 +252,15 @@ def _mib(b: float) -> str:
 def print_report(s: dict) -> None:
     print(f"\n{s['model']} ({s['recipe']}, {s['steps']} steps x {s['micro_batches']} "
           "micro-batches)")
-    header = ["mode", "final loss", "vs BF16", "fwd/bwd peak", "optimizer peak", "s/step"]
+    header = ["mode", "final loss", "vs BF16", "fwd/bwd peak", "optimizer peak", "global peak",
+              "global saving", "s/step"]
     rows = []
     for m in MODES:
+        gsave = s["global_peak_saving_bytes"].get(m)
         rows.append([MODE_LABELS[m], f"{s['final_loss'][m]:.4f}",
                      f"{s['loss_diff_to_bf16'][m]:+.4f}", _mib(s["window_peak_bytes"][m]),
-                     _mib(s["optimizer_peak_bytes"][m]), f"{s['seconds_per_step'][m]:.2f}"])
+                     _mib(s["optimizer_peak_bytes"][m]), _mib(s["global_peak"][m]["bytes"]),
+                     "–" if gsave is None else _mib(gsave), f"{s['seconds_per_step'][m]:.2f}"])
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  " + "  ".join("-" * w for w in widths))
@@ -253,12 +275,15 @@ def print_report(s: dict) -> None:
           f"= {100 * ratio:.2f}% of the bytes released" if ratio is not None else
           "  nothing released")
     gp = s["global_peak"]
-    phases = {v["phase"] for v in gp.values()}
     print("  step's global peak: " + "; ".join(
-        f"{MODE_LABELS[m]} {_mib(v['bytes'])} in the {v['phase']}" for m, v in gp.items()))
-    if phases == {"optimizer step"}:
-        print("  (the global peak is the optimizer step in every mode: FP32 masters + Adam moments "
-              "on a tiny model; zero-redundancy lowers the forward/backward window)")
+        f"{m} in the {v['phase']}" for m, v in gp.items()))
+    theory = s["theoretical_saving_2N_bytes"]
+    if theory:
+        for m, v in s["global_peak_saving_bytes"].items():
+            print(f"  global-peak saving vs cache, {MODE_LABELS[m]}: {_mib(v)} = "
+                  f"{v / theory:.3f} x 2N; optimizer-step peak "
+                  f"{s['optimizer_peak_bytes'][m] / s['converted_elements']:.2f} bytes per "
+                  "converted weight")
 
 
 def plot(summaries: List[dict], path: str) -> None:
@@ -271,7 +296,8 @@ def plot(summaries: List[dict], path: str) -> None:
 
     n = len(summaries)
     fig, axes = plt.subplots(3, n, figsize=(7.5 * n, 12), squeeze=False)
-    colors = {"bf16": "tab:gray", "cache": "tab:blue", "zrw": "tab:red"}
+    colors = {"bf16": "tab:gray", "cache": "tab:blue", "zrw-restore": "tab:orange",
+              "zrw": "tab:red"}
     for j, s in enumerate(summaries):
         ax = axes[0][j]
         for m in MODES:
@@ -299,7 +325,8 @@ def plot(summaries: List[dict], path: str) -> None:
                         label=MODE_LABELS[m], color=colors[m])
         xlabels(ax)
         ax.set_title(f"{s['model']}: live CPU memory through one step (zrw.memory)\n"
-                     f"fwd/bwd window saving {_mib(s['measured_saving_bytes'])}, "
+                     f"fwd/bwd window saving {_mib(s['measured_saving_bytes'])}, global-peak "
+                     f"saving {_mib(s['global_peak_saving_bytes']['zrw'])}, "
                      f"BF16 released {_mib(s['bf16_bytes_released'])}", fontsize=10)
         ax.set_ylabel("MiB live")
         ax.legend(fontsize=8)
@@ -312,8 +339,9 @@ def plot(summaries: List[dict], path: str) -> None:
                 label="BF16 weights resident")
         ax.step(range(len(tl)), fp8, where="post", color="tab:purple", label="FP8 cache")
         xlabels(ax)
-        ax.set_title(f"{s['model']}: weight lifecycle, zero-redundancy (release at first use, "
-                     "restore at the optimizer boundary)", fontsize=10)
+        ax.set_title(f"{s['model']}: weight lifecycle, BF16-free step (released at the first "
+                     "use, never restored; FP8 copies dropped at the optimizer step)",
+                     fontsize=10)
         ax.set_ylabel("MiB")
         ax.legend(fontsize=8)
     fig.tight_layout()

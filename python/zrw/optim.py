@@ -2,11 +2,14 @@
 
 `MasterWeights(optimizer_cls, params, **kw)` is a torch.optim.Optimizer with FP32 masters (the
 scheme of Megatron's mixed-precision optimizer): it steps any plain torch optimizer on the
-masters and writes every master back into its parameter. The write-back restores a released
-weight straight from its master, filling its bytes before the release poison is cleared, so a
-MasterWeights step needs no restore before it and never exposes uninitialized memory. Its param
-groups carry the hyper-parameters (LR schedulers, manual changes and `add_param_group` work
-as with any optimizer).
+masters and writes every master back into its parameter. By default (keep_released=True, the
+BF16-free step) a released weight stays released through the step: its FP8 copy is dropped
+before the inner step, and its next use quantizes straight from the master, so no BF16 weight
+storage is allocated during training. With keep_released=False (the seed's design) the
+write-back restores a released weight from its master, filling its bytes before the release
+poison is cleared. Either way a step needs no restore before it and never exposes
+uninitialized memory. Its param groups carry the hyper-parameters (LR schedulers, manual
+changes and `add_param_group` work as with any optimizer).
 
 `attach(optimizer)` installs the boundary on any optimizer: before `step()` the boundary
 callbacks run (zrw.fsdp drops its shard caches there) and, for an optimizer that steps the
@@ -82,13 +85,25 @@ class MasterWeights(torch.optim.Optimizer):
 
     `params` are the model's parameters or param groups, as for any optimizer; `optimizer_cls`
     and `kwargs` build the inner optimizer (`self.inner`) over the FP32 masters
-    (`self.masters`, one list per group). Each step copies the gradients (`p.grad`, or
-    `p.main_grad` when a layer accumulates one in FP32) into the masters, steps the inner
+    (`self.masters`, one list per group). Each step converts the gradients (`p.grad`, or
+    `p.main_grad` when a layer accumulates one in FP32) into the masters' FP32 gradients,
+    freeing each BF16 `p.grad` as soon as it is converted (so the two never coexist in full:
+    after `step()` the parameters' `.grad` are None, as after `zero_grad()`), steps the inner
     optimizer, and writes every master back into its parameter — also those that got no
-    gradient (an MoE expert no token chose), so every restored weight holds its value. The
-    write-back restores a released weight directly from its master (zrw.cache.assign_weights),
-    so MasterWeights is its own zero-redundancy boundary for restores; `zrw.optim.attach` adds
-    `next_step` and the boundary callbacks.
+    gradient (an MoE expert no token chose), so every weight holds bf16 of its master.
+
+    keep_released=True (the default; zrw.cache.assign_weights(..., keep_released=True)): a
+    released weight stays released. Its FP8 copy is dropped before the inner step (the master
+    is the copy), and its next use quantizes straight from the master with one fused op that
+    rounds to the weight's dtype first: the same bytes as the BF16 weight would give, so
+    training is bit for bit the release-off run, with no BF16 weight storage allocated after
+    the first step. A direct read of such a weight between steps raises; `model.state_dict()`
+    (zrw layers) materializes it from the master, `model.load_state_dict()` writes the masters,
+    `zrw.cache.restore_all("master")` or `zrw.optim.detach(opt)` bring the BF16 weights back.
+    keep_released=False: the write-back restores each released weight from its master (the
+    seed's design: BF16 weights are readable between steps, at the cost of holding them
+    through the optimizer step). `zrw.optim.attach` adds `next_step` and the boundary
+    callbacks in both modes.
 
     The param groups carry the inner optimizer's hyper-parameters and are the ones to change:
     LR schedulers, manual `param_groups[i]["lr"] = ...` and `add_param_group` reach the inner
@@ -100,12 +115,16 @@ class MasterWeights(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], params: Iterable,
-                 **kwargs: Any):
+                 *, keep_released: bool = True, **kwargs: Any):
         if not callable(optimizer_cls):
             raise TypeError(f"MasterWeights: optimizer_cls must be an optimizer class, got "
                             f"{optimizer_cls!r}")
+        if not isinstance(keep_released, bool):
+            raise TypeError(f"MasterWeights: keep_released must be a bool, got "
+                            f"{type(keep_released).__name__}")
         groups = _as_group_list(params)
         self.optimizer_cls = optimizer_cls
+        self.keep_released = keep_released
         self.masters: List[List[torch.Tensor]] = []
         self._ready = False
         inner_groups = []
@@ -168,27 +187,43 @@ class MasterWeights(torch.optim.Optimizer):
         self._register_masters(len(self.param_groups) - 1)
 
     def _grads_to_masters(self) -> None:
+        """FP32 gradients of the masters; each BF16 gradient is freed once converted, so the
+        BF16 gradients and their FP32 copies never coexist in full."""
         for group, masters in zip(self.param_groups, self.masters):
             for p, m in zip(group["params"], masters):
                 g = getattr(p, "main_grad", None)
-                if g is None:
-                    g = p.grad
+                if g is not None:
+                    m.grad = g.to(torch.float32)
+                    continue
+                g = p.grad
                 m.grad = None if g is None else g.to(torch.float32)
+                p.grad = None
+                del g
 
     def _drop_stale_copies(self) -> None:
-        """Before the inner step: the FP8 copies of parameters that kept their BF16 storage are
-        dead weight (the step changes those parameters), so they go now, not at the write-back;
+        """Before the inner step the FP8 copies are dead weight (the step changes every
+        parameter): those of parameters that kept their BF16 storage go now; with
+        keep_released, those of released parameters too (their masters hold their values,
+        exactly: every parameter is bf16 of its master between steps). Without keep_released,
         released parameters keep theirs until the write-back restores them."""
         params = [p for g in self.param_groups for p in g["params"]]
-        for p, state in zip(params, cache.cache_states(params)):
+        masters = [m for ms in self.masters for m in ms]
+        released_p, released_m = [], []
+        for p, m, state in zip(params, masters, cache.cache_states(params)):
             if state == 1:
                 cache.cache_invalidate(p)
+            elif state == 2 and self.keep_released:
+                released_p.append(p)
+                released_m.append(m)
+        if released_p:
+            cache.assign_weights(released_p, released_m, keep_released=True)
 
     def _write_back(self) -> None:
-        """Every parameter gets bf16(master): released ones are restored from their master."""
+        """Every parameter gets bf16(master): released ones stay released with their master
+        (keep_released) or are restored from it."""
         params = [p for g in self.param_groups for p in g["params"]]
         masters = [m for ms in self.masters for m in ms]
-        cache.assign_weights(params, masters)
+        cache.assign_weights(params, masters, keep_released=self.keep_released)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -269,6 +304,9 @@ class MasterWeights(torch.optim.Optimizer):
                 for m, s in zip(ms, ss):
                     m.copy_(s)
         self._pull_hyperparameters()
+        # The parameters are bf16 of their masters again (released ones take the new masters'
+        # values at their next use; their old FP8 copies go).
+        self._write_back()
 
 
 def _wrap_closure(args, kwargs):
@@ -288,7 +326,8 @@ def _wrap_closure(args, kwargs):
     return (args[0], no_release_closure, *args[2:]), kwargs
 
 
-def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torch.optim.Optimizer:
+def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
+           own_masters: bool = False) -> torch.optim.Optimizer:
     """Install the zero-redundancy boundary on `optimizer`; returns it.
 
     Before `step()`: the boundary callbacks; then, for an optimizer that steps the parameters
@@ -301,13 +340,29 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torc
     "empty"/"zeros" would destroy them and are refused; pass fill="dequant" (the restored
     weight is the dequantized FP8 copy: every step then loses the precision below FP8's 3
     mantissa bits) or, better, wrap it in MasterWeights.
+
+    own_masters=True is the hook for an optimizer that keeps FP32 masters of its own (as
+    Megatron's or a hand-written mixed-precision optimizer does) and writes them into the
+    parameters itself: nothing is restored before its step; its write-back must be
+    `zrw.cache.assign_weights(params, masters, keep_released=True)` (the BF16-free step: a
+    released weight stays released and its next use quantizes from the master) or
+    `keep_released=False` (restore from the master), never `p.copy_(master)`, which raises on a
+    released weight. Register each master with `zrw.cache.register_master(p, master)` so that
+    restores and `state_dict()` read it exactly. `fill` must be None then.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zrw.optim.attach: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     if fill is not None and fill not in cache.FILLS:
         raise ValueError(f"zrw.optim.attach: fill must be one of {cache.FILLS}, got {fill!r}")
-    masters = isinstance(optimizer, MasterWeights)
+    if not isinstance(own_masters, bool):
+        raise TypeError(f"zrw.optim.attach: own_masters must be a bool, got "
+                        f"{type(own_masters).__name__}")
+    if own_masters and fill is not None:
+        raise ValueError(f"zrw.optim.attach: with own_masters=True the optimizer writes its "
+                         f"masters back itself (zrw.cache.assign_weights) and nothing is "
+                         f"restored before its step, so fill must be None, got {fill!r}")
+    masters = own_masters or isinstance(optimizer, MasterWeights)
     if masters and fill not in (None, "master", "empty"):
         raise ValueError(
             f"zrw.optim.attach: MasterWeights restores released weights from their FP32 masters "
@@ -340,10 +395,17 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torc
 
 
 def detach(optimizer: torch.optim.Optimizer) -> None:
-    """Remove the boundary hooks that attach() installed."""
+    """Remove the boundary hooks that attach() installed, and leave zero-redundancy for the
+    optimizer's parameters: those released with an FP32 master (MasterWeights, or registered
+    with zrw.cache.register_master) get their BF16 values back exactly."""
     handles = getattr(optimizer, _HOOKS_ATTR, None)
     if handles is None:
         return
+    params = _params_of(optimizer)
+    mastered = [p for p, st in zip(params, cache.cache_states(params))
+                if st == 2 and cache.master_of(p) is not None]
+    if mastered:
+        cache.restore_weights(mastered, "master")
     for h in handles:
         h.remove()
     setattr(optimizer, _HOOKS_ATTR, None)

@@ -11,8 +11,11 @@ the weight is restored by dequantization (untimed), so every miss reads realisti
 
 Then it trains a small MLP (nn.Linear weights used through zrw.nn.mx_linear, a few microbatches
 per step) with each kind of boundary and reports its restore as a fraction of the step:
-  - "master": MasterWeights(AdamW) attached; the restore is its write-back (every released
-    weight gets fresh bytes filled from its FP32 master, after the inner step);
+  - "bf16-free": MasterWeights(AdamW) attached, keep_released=True (the default): nothing is
+    restored; the write-back hands each released weight its master, and the next step's first
+    use quantizes straight from it (the "restore" column is that write-back);
+  - "master": MasterWeights(AdamW, keep_released=False) attached; the restore is its write-back
+    (every released weight gets fresh bytes filled from its FP32 master, after the inner step);
   - "dequant": AdamW attached with fill="dequant"; the restore is the boundary's pre-hook
     (the optimizer's own weights, filled from their FP8 copies).
 """
@@ -89,8 +92,9 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
     ws = [l.weight for l in lins]
     marks = {}
 
-    if boundary == "master":
-        opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3))
+    if boundary in ("master", "bf16-free"):
+        opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3,
+                                   keep_released=boundary == "bf16-free"))
         # The write-back is the restore.
         opt._write_back = recording(opt._write_back, lambda t: marks.__setitem__("restore", t))
     else:
@@ -127,7 +131,7 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
     }
 
 
-BOUNDARIES = ("master", "dequant")
+BOUNDARIES = ("bf16-free", "master", "dequant")
 
 
 def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens=32,
@@ -140,7 +144,7 @@ def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens
         "op": {},
         "step": {},
         "mlp": {"dim": dim, "layers": layers, "tokens": tokens, "microbatches": micro,
-                "optimizer": "AdamW (in MasterWeights for the master boundary)"},
+                "optimizer": "AdamW (in MasterWeights for the bf16-free and master boundaries)"},
     }
     for recipe in cache.RECIPES:
         out["op"][recipe] = {f"{n}x{k}": time_op((n, k), recipe, repeat) for n, k in sizes}
@@ -188,5 +192,7 @@ def main(argv=None) -> None:
             for recipe, by_fill in r["step"].items() for fill, s in by_fill.items()]
     print_table("", ["recipe", "boundary", "step ms", "restore ms", "of step",
                      "released bytes"], rows)
-    print("  (master: MasterWeights' write-back, bf16 of every FP32 master into fresh bytes; "
-          "dequant: AdamW's own weights filled from their FP8 copies in the pre-hook)")
+    print("  (bf16-free: MasterWeights' write-back keeps the weights released, the next miss "
+          "quantizes from the FP32 master; master: MasterWeights(keep_released=False) writes "
+          "bf16 of every FP32 master into fresh bytes; dequant: AdamW's own weights filled from "
+          "their FP8 copies in the pre-hook)")

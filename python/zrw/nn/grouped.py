@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .. import ops
 from .. import cache
 from ..config import QuantRecipe, get_recipe
-from .linear import (NamedWeight, ReleasedWeightsRefuseStateDict, _weight_planes,
+from .linear import (NamedWeight, ReleasedWeightsStateDict, _weight_planes,
                      check_layer_args, restamp_names)
 
 
@@ -136,7 +136,7 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)
 
 
-class MXGroupedLinear(NamedWeight, ReleasedWeightsRefuseStateDict, nn.Module):
+class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
     """A stack of E expert linears (E, out_features, in_features) on MXFP8, tokens grouped by
     expert: forward(x, counts) with x (T, in_features) grouped, counts[e] rows per expert."""
 
@@ -166,7 +166,7 @@ def is_fused_experts(module: nn.Module) -> bool:
             and hasattr(module, "act_fn"))
 
 
-class MXFusedExperts(ReleasedWeightsRefuseStateDict, nn.Module):
+class MXFusedExperts(ReleasedWeightsStateDict, nn.Module):
     """Drop-in replacement for a Hugging Face fused-experts module, on MXFP8.
 
     Keeps the original `gate_up_proj` / `down_proj` Parameter objects (same state_dict keys) and

@@ -168,26 +168,104 @@ class NamedWeight:
         restamp_names(self, {"weight": self.__dict__.get("_zrw_layer_name")})
 
 
-class ReleasedWeightsRefuseStateDict:
-    """A zrw layer refuses `state_dict()` while one of its quantized parameters
-    (`zrw_quantized`) is released: it raises a named error before anything is returned, so a
-    `torch.save(model.state_dict(), path)` fails before it opens (and truncates) `path`, instead
-    of failing half-way through writing the file on the release poison."""
+class ReleasedWeightsStateDict:
+    """state_dict() and load_state_dict() of a zrw layer whose quantized parameters
+    (`zrw_quantized`) may be released.
+
+    Saving: a released weight with an FP32 master (zrw.optim.MasterWeights, or
+    zrw.cache.register_master) is materialized as a fresh `master.to(w.dtype)`, one tensor at a
+    time: exactly the BF16 weight, while the weight itself stays released (nothing is restored
+    or re-quantized). A released weight without a master (mid-step with a plain optimizer, or a
+    frozen weight released for good) makes state_dict() raise a named error before anything is
+    returned, so `torch.save(model.state_dict(), path)` fails before it opens (and truncates)
+    `path`.
+
+    Loading: a released weight with a master takes the loaded values into its master and stays
+    released (its FP8 copy is dropped; its next use quantizes the new values); a released weight
+    without a master is restored with the loaded values; any other weight is loaded as usual,
+    and its master (if any) follows it. So a model's load_state_dict never leaves a master
+    behind its weight."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        params = [self._parameters.get(n) for n in self.zrw_quantized]
-        params = [p for p in params if isinstance(p, torch.Tensor)]
-        released = [p for p, st in zip(params, cache.cache_states(params)) if st >= 2]
-        if released:
-            names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in released)
+        params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
+        params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
+        states = cache.cache_states([p for _, p in params])
+        released = [(n, p, cache.master_of(p)) for (n, p), st in zip(params, states) if st >= 2]
+        orphans = [p for _, p, m in released if m is None]
+        if orphans:
+            names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
             raise RuntimeError(
                 f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': weight(s) "
                 f"{names} are released (zero-redundancy weights: only their MXFP8 copies live "
-                "between the first forward of a step and the optimizer step); nothing was "
-                "returned or written. Take the state dict after the optimizer step, or restore "
-                "the weights first with zrw.cache.restore_all('master') (exact with "
-                "zrw.optim.MasterWeights)")
+                "between the first forward of a step and the optimizer step) and have no FP32 "
+                "master to materialize them from; nothing was returned or written. Take the "
+                "state dict after the optimizer step, use zrw.optim.MasterWeights (exact), or "
+                "restore the weights first with zrw.cache.restore_all('master') (lossy "
+                "dequantization where no master exists)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        for n, p, m in released:
+            with torch.no_grad():
+                destination[prefix + n] = m.detach().to(p.dtype, copy=True)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            # load_state_dict(assign=True) replaces the parameter objects: the old weights, and
+            # their entries, are simply dropped.
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                                 missing_keys, unexpected_keys, error_msgs)
+        params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
+        params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
+        states = cache.cache_states([p for _, p in params])
+        held = {}  # released weights: loaded here, hidden from nn.Module's copy_
+        for (n, p), st in zip(params, states):
+            if st == 2 and prefix + n in state_dict:
+                held[n] = p
+        if held:
+            saved = dict(self._parameters)
+            for n in held:
+                del self._parameters[n]
+        first_unexpected = len(unexpected_keys)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            if held:
+                self._parameters.clear()
+                self._parameters.update(saved)
+        if held:
+            unexpected_keys[first_unexpected:] = [
+                k for k in unexpected_keys[first_unexpected:]
+                if k[len(prefix):] not in held]
+        for n, p in held.items():
+            key = prefix + n
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected '
+                                  f"torch.Tensor or Tensor-like object from checkpoint but "
+                                  f"received {type(value)}")
+                continue
+            if tuple(value.shape) != tuple(p.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {tuple(p.shape)}.")
+                continue
+            master = cache.master_of(p)
+            with torch.no_grad():
+                if master is None:
+                    cache.assign_weights([p], [value.detach()])  # restored with these values
+                else:
+                    # The master takes the weight's new value as the weight would hold it.
+                    master.copy_(value.detach().to(p.dtype))
+                    cache.assign_weights([p], [master], keep_released=True)
+        for (n, p), st in zip(params, states):
+            if n in held or prefix + n not in state_dict:
+                continue
+            master = cache.master_of(p)
+            if master is not None:
+                with torch.no_grad():
+                    master.copy_(p.detach())
+            cache.cache_invalidate(p)
 
 
 def restamp_names(module: nn.Module, names: dict) -> None:
@@ -198,7 +276,7 @@ def restamp_names(module: nn.Module, names: dict) -> None:
             cache.set_weight_name(param, name)
 
 
-class MXLinear(NamedWeight, ReleasedWeightsRefuseStateDict, nn.Linear):
+class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
     """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights.
 
     The weight (and bias) are ordinary parameters — same objects, same state_dict keys — but the
