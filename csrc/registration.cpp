@@ -12,6 +12,19 @@ TORCH_LIBRARY(zrw, m) {
         {at::Tag::pt2_compliant_tag});
   m.def("mx_quantize_block(Tensor w, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
+  // The same three layouts straight from an FP32 master weight (DESIGN.md §5, the BF16-free
+  // step): each element rounded to param_dtype (bf16 or fp16, as master.to(param_dtype) rounds)
+  // and quantized in one read; the outputs are exactly those of the op above applied to
+  // master.to(param_dtype), which is never materialized.
+  m.def("mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def("mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
   m.def("mx_dequantize(Tensor data, Tensor scale, int dim, ScalarType out_dtype) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"

@@ -34,6 +34,17 @@ def test_bench_quant_json():
         assert v is None or positive(v), name
     for name, v in r["ratio_to_copy"].items():
         assert positive(v) and v == pytest.approx(r["ms"][name] / r["ms"]["copy"]), name
+    # The fused master ops against an fp32 copy, beside the bf16 ops against the bf16 copy.
+    assert set(r["ms"]) >= {"copy_fp32", "dual_from_master", "block_from_master",
+                            "single_dim_-1_from_master", "cast_then_dual"}
+    fm = r["from_master"]
+    assert fm["param_dtype"] == "bfloat16"
+    for name, v in fm["ratio_to_fp32_copy"].items():
+        key = name if name == "cast_then_dual" else f"{name}_from_master"
+        assert positive(v) and v == pytest.approx(r["ms"][key] / r["ms"]["copy_fp32"]), name
+    assert set(fm["ratio_to_fp32_copy"]) == {"dual", "block", "single_dim_-1", "cast_then_dual"}
+    assert fm["bf16_ratio_to_bf16_copy"] == {k: r["ratio_to_copy"][k]
+                                             for k in ("dual", "block", "single_dim_-1")}
     assert r["cpu_isa"] in ("avx512", "avx2", "base")
     # Which GEMM mx_matmul ran: the process's path (bf16 where the CPU has native BF16).
     assert r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32") or "ZRW_CPU_GEMM" in os.environ

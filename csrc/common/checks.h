@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
 
 #include "mx_format.h"
 #include "names.h"
@@ -61,9 +62,21 @@ inline int64_t wrap_dim(const char* op, const char* arg, int64_t dim, int64_t nd
 }
 
 // The weight ops take one matrix (N, K) or a stack of them (E, N, K).
-inline void check_weight_rank(const char* op, const at::Tensor& w) {
-  TORCH_CHECK_VALUE(w.dim() == 2 || w.dim() == 3, op,
-                    ": w must be 2-d (N, K) or 3-d (E, N, K), got shape ", w.sizes());
+inline void check_weight_rank(const char* op, const at::Tensor& w, const char* arg = "w") {
+  TORCH_CHECK_VALUE(w.dim() == 2 || w.dim() == 3, op, ": ", arg,
+                    " must be 2-d (N, K) or 3-d (E, N, K), got shape ", w.sizes());
+}
+
+// The *_from_master ops quantize an FP32 master weight as its bf16/fp16 parameter.
+inline void check_master_dtype(const char* op, const at::Tensor& master) {
+  TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, op,
+                   ": master must be torch.float32 (the FP32 master weight), got ",
+                   master.scalar_type());
+}
+
+inline void check_param_dtype(const char* op, at::ScalarType t) {
+  TORCH_CHECK_TYPE(t == at::kBFloat16 || t == at::kHalf, op,
+                   ": param_dtype must be torch.bfloat16 or torch.float16, got ", t);
 }
 
 // The scale of data blocked along `dim`: data's shape with that dim -> ceil(D/32).
@@ -90,6 +103,29 @@ inline mx::ScaleMode check_weight_quantize_args(const char* op, const at::Tensor
                                                 c10::string_view scale_mode) {
   check_float_input(op, "w", w);
   check_weight_rank(op, w);
+  check_elem_dtype(op, "elem_dtype", elem_dtype);
+  return parse_scale_mode(op, std::string(scale_mode));
+}
+
+// mx_quantize_from_master: returns the parsed scale mode and the wrapped dim.
+inline std::pair<mx::ScaleMode, int64_t> check_mx_quantize_from_master_args(
+    const char* op, const at::Tensor& master, int64_t dim, at::ScalarType param_dtype,
+    at::ScalarType elem_dtype, c10::string_view scale_mode) {
+  check_master_dtype(op, master);
+  check_param_dtype(op, param_dtype);
+  check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const mx::ScaleMode mode = parse_scale_mode(op, std::string(scale_mode));
+  return {mode, wrap_dim(op, "master", dim, master.dim())};
+}
+
+// mx_quantize_dual_from_master / mx_quantize_block_from_master: returns the parsed scale mode.
+inline mx::ScaleMode check_master_weight_quantize_args(const char* op, const at::Tensor& master,
+                                                       at::ScalarType param_dtype,
+                                                       at::ScalarType elem_dtype,
+                                                       c10::string_view scale_mode) {
+  check_master_dtype(op, master);
+  check_weight_rank(op, master, "master");
+  check_param_dtype(op, param_dtype);
   check_elem_dtype(op, "elem_dtype", elem_dtype);
   return parse_scale_mode(op, std::string(scale_mode));
 }

@@ -130,6 +130,42 @@ inline uint32_t encode_elem_lane(float y) {
   return code | sign;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Rounding an fp32 master element to the parameter dtype, bit for bit what torch's conversion
+// (`master.to(param_dtype)`, `param.copy_(master)`) gives, so that quantizing straight from the
+// master yields the bytes of quantizing the bf16/fp16 parameter (mx_quantize_from_master).
+
+// fp32 -> bf16 bits, round to nearest, ties to even, as c10::BFloat16 and at::vec do: add
+// 0x7FFF plus the lowest kept bit and drop the low half. fp32 subnormals round into bf16
+// subnormals (torch does not flush them), finite values past bf16's max round to +-Inf. A NaN
+// needs the select (the add would carry it into Inf or flip its sign): it stays a quiet NaN of
+// the same sign (torch writes 0x7FC0 or 0xFFFF depending on the path; only NaN-ness reaches the
+// quantization, as a 0xFF block).
+inline uint16_t f32_to_bf16_bits_rne(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
+
+// fp32 -> the nearest fp16 value (ties to even), returned as the fp32 that holds it exactly:
+// IEEE conversion, as F16C's vcvtps2ph and c10::Half do (fp16 subnormals kept, |x| >= 65520
+// -> +-Inf, NaN stays NaN). Normal fp16 range (|x| >= 2^-14): the bias add on the bit pattern,
+// 13 dropped bits, carrying into the exponent. Below it the quantum is 2^-24: adding 0.5f,
+// whose ulp is that quantum, rounds to nearest even in hardware, and subtracting it is exact.
+inline float round_f32_to_f16_value(float x) {
+  constexpr uint32_t kMinNormalBits = 0x38800000u;  // 2^-14
+  constexpr uint32_t kOverflowBits = 0x47800000u;   // 2^16: rounds past 65504
+  const uint32_t u = f32_bits(x);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  uint32_t normal = (a + 0xFFFu + ((a >> 13) & 1u)) & ~0x1FFFu;
+  normal = normal >= kOverflowBits ? 0x7F800000u : normal;
+  const uint32_t small = f32_bits((bits_f32(a) + 0.5f) - 0.5f);
+  const uint32_t mag = a > 0x7F800000u ? a : (a >= kMinNormalBits ? normal : small);
+  return bits_f32(mag | sign);
+}
+
 template <ElemFormat F>
 inline uint8_t encode_elem(float y) {
   return static_cast<uint8_t>(encode_elem_lane<F>(y));

@@ -33,18 +33,13 @@ ElemFormat elem_format(at::ScalarType t) {
 uint8_t* bytes_of(at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 // ---------------------------------------------------------------------------------------------
-// Ops.
+// The three quantization layouts (the input made contiguous first), shared by the ops on a bf16/fp16/fp32
+// tensor (round_to Undefined) and the *_from_master ops on an FP32 master (round_to = the
+// parameter dtype: each element is rounded to it as it is read, mx_cpu_kernels.h).
 
-std::tuple<at::Tensor, at::Tensor> mx_quantize_cpu(const at::Tensor& x, int64_t dim,
-                                                    at::ScalarType elem_dtype,
-                                                    c10::string_view scale_mode) {
-  constexpr const char* op = "zrw.mx_quantize";
-  checks::check_device(op, "x", x, c10::DeviceType::CPU);
-  checks::check_float_input(op, "x", x);
-  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
-  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
-  const int64_t d = checks::wrap_dim(op, "x", dim, x.dim());
-
+std::tuple<at::Tensor, at::Tensor> quantize_along(const at::Tensor& x, int64_t d,
+                                                  at::ScalarType elem_dtype, ScaleMode mode,
+                                                  at::ScalarType round_to) {
   const at::Tensor xc = x.contiguous();
   auto data = at::empty(x.sizes(), x.options().dtype(elem_dtype));
   auto scale = at::empty(checks::scale_shape_along(x.sizes(), d),
@@ -61,25 +56,30 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_cpu(const at::Tensor& x, int64_t 
     // Blocks run along the contiguous axis: one matrix (outer, D), blocks along its rows.
     o.row_data = dp;
     o.row_scale = sp;
-    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), 1, outer, D, fmt, mode, o);
+    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), round_to, 1, outer, D, fmt,
+                           mode, o);
   } else {
     // Blocks run across rows: `outer` matrices (D, inner), blocks down their columns.
     o.col_data = dp;
     o.col_scale = sp;
-    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), outer, D, inner, fmt, mode, o);
+    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), round_to, outer, D, inner, fmt,
+                           mode, o);
   }
   return {data, scale};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
-    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
-  constexpr const char* op = "zrw.mx_quantize_dual";
-  checks::check_device(op, "w", w, c10::DeviceType::CPU);
-  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
+// (E, N, K) or (N, K) as E matrices.
+struct WeightDims {
+  int64_t E, N, K;
+  explicit WeightDims(const at::Tensor& w)
+      : E(w.dim() == 3 ? w.size(0) : 1), N(w.size(w.dim() - 2)), K(w.size(w.dim() - 1)) {}
+};
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(
+    const at::Tensor& w, at::ScalarType elem_dtype, ScaleMode mode, at::ScalarType round_to) {
   const at::Tensor wc = w.contiguous();
   const int64_t nd = w.dim();
-  const int64_t E = nd == 3 ? w.size(0) : 1, N = w.size(nd - 2), K = w.size(nd - 1);
+  const WeightDims dims(w);
   const auto fp8 = w.options().dtype(elem_dtype);
   const auto e8 = w.options().dtype(at::kFloat8_e8m0fnu);
   auto data_fwd = at::empty(w.sizes(), fp8);
@@ -91,9 +91,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
   o.row_scale = bytes_of(scale_fwd);
   o.col_data = bytes_of(data_bwd);
   o.col_scale = bytes_of(scale_bwd);
-  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), E, N, K, elem_format(elem_dtype),
-                         mode, o);
+  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), round_to, dims.E, dims.N, dims.K,
+                         elem_format(elem_dtype), mode, o);
   return {data_fwd, scale_fwd, data_bwd, scale_bwd};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_block(const at::Tensor& w, at::ScalarType elem_dtype,
+                                                  ScaleMode mode, at::ScalarType round_to) {
+  const at::Tensor wc = w.contiguous();
+  const int64_t nd = w.dim();
+  const WeightDims dims(w);
+  auto data = at::empty(w.sizes(), w.options().dtype(elem_dtype));
+  std::vector<int64_t> bshape(w.sizes().begin(), w.sizes().end());
+  bshape[nd - 2] = mx::ceil_div(dims.N, kBlock);
+  bshape[nd - 1] = mx::ceil_div(dims.K, kBlock);
+  auto block_scale = at::empty(bshape, w.options().dtype(at::kFloat8_e8m0fnu));
+  cpu::QuantOutputs o;
+  o.tile_data = bytes_of(data);
+  o.tile_scale = bytes_of(block_scale);
+  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), round_to, dims.E, dims.N, dims.K,
+                         elem_format(elem_dtype), mode, o);
+  return {data, block_scale};
+}
+
+constexpr at::ScalarType kNoRounding = at::ScalarType::Undefined;
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_cpu(const at::Tensor& x, int64_t dim,
+                                                    at::ScalarType elem_dtype,
+                                                    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize";
+  checks::check_device(op, "x", x, c10::DeviceType::CPU);
+  checks::check_float_input(op, "x", x);
+  checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
+  const ScaleMode mode = checks::parse_scale_mode(op, std::string(scale_mode));
+  const int64_t d = checks::wrap_dim(op, "x", dim, x.dim());
+  return quantize_along(x, d, elem_dtype, mode, kNoRounding);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
+    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual";
+  checks::check_device(op, "w", w, c10::DeviceType::CPU);
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
+  return quantize_dual(w, elem_dtype, mode, kNoRounding);
 }
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
@@ -102,22 +145,43 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
   constexpr const char* op = "zrw.mx_quantize_block";
   checks::check_device(op, "w", w, c10::DeviceType::CPU);
   const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
+  return quantize_block(w, elem_dtype, mode, kNoRounding);
+}
 
-  const at::Tensor wc = w.contiguous();
-  const int64_t nd = w.dim();
-  const int64_t E = nd == 3 ? w.size(0) : 1, N = w.size(nd - 2), K = w.size(nd - 1);
-  const int64_t NB = mx::ceil_div(N, kBlock), KB = mx::ceil_div(K, kBlock);
-  auto data = at::empty(w.sizes(), w.options().dtype(elem_dtype));
-  std::vector<int64_t> bshape(w.sizes().begin(), w.sizes().end());
-  bshape[nd - 2] = NB;
-  bshape[nd - 1] = KB;
-  auto block_scale = at::empty(bshape, w.options().dtype(at::kFloat8_e8m0fnu));
-  cpu::QuantOutputs o;
-  o.tile_data = bytes_of(data);
-  o.tile_scale = bytes_of(block_scale);
-  cpu::quantize_matrices(wc.const_data_ptr(), wc.scalar_type(), E, N, K, elem_format(elem_dtype),
-                         mode, o);
-  return {data, block_scale};
+// Quantization straight from an FP32 master (DESIGN.md §5, the BF16-free step): the bytes of
+// mx_quantize*(master.to(param_dtype), ...), with the rounding done in the kernel's one read.
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_from_master_cpu(const at::Tensor& master,
+                                                                int64_t dim,
+                                                                at::ScalarType param_dtype,
+                                                                at::ScalarType elem_dtype,
+                                                                c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_from_master";
+  checks::check_device(op, "master", master, c10::DeviceType::CPU);
+  const auto [mode, d] =
+      checks::check_mx_quantize_from_master_args(op, master, dim, param_dtype, elem_dtype,
+                                                 scale_mode);
+  return quantize_along(master, d, elem_dtype, mode, param_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_from_master_cpu(
+    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
+    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual_from_master";
+  checks::check_device(op, "master", master, c10::DeviceType::CPU);
+  const ScaleMode mode =
+      checks::check_master_weight_quantize_args(op, master, param_dtype, elem_dtype, scale_mode);
+  return quantize_dual(master, elem_dtype, mode, param_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_cpu(
+    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
+    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_block_from_master";
+  checks::check_device(op, "master", master, c10::DeviceType::CPU);
+  const ScaleMode mode =
+      checks::check_master_weight_quantize_args(op, master, param_dtype, elem_dtype, scale_mode);
+  return quantize_block(master, elem_dtype, mode, param_dtype);
 }
 
 at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
@@ -449,6 +513,9 @@ TORCH_LIBRARY_IMPL(zrw, CPU, m) {
   m.impl("mx_quantize", &mx_quantize_cpu);
   m.impl("mx_quantize_dual", &mx_quantize_dual_cpu);
   m.impl("mx_quantize_block", &mx_quantize_block_cpu);
+  m.impl("mx_quantize_from_master", &mx_quantize_from_master_cpu);
+  m.impl("mx_quantize_dual_from_master", &mx_quantize_dual_from_master_cpu);
+  m.impl("mx_quantize_block_from_master", &mx_quantize_block_from_master_cpu);
   m.impl("mx_dequantize", &mx_dequantize_cpu);
   m.impl("mx_matmul", &mx_matmul_cpu);
 }

@@ -106,10 +106,14 @@ const char* gemm_path_name() { return gemm_path() == Gemm::BF16 ? "bf16" : "fp32
 
 const char* active_isa() { return chosen().name; }
 
-void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
-                       int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
+void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,
+                       int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                        const QuantOutputs& out) {
-  chosen().quantize(src, src_dtype, nmat, N, K, fmt, mode, out);
+  TORCH_CHECK(round_to == at::ScalarType::Undefined ||
+                  (src_dtype == at::kFloat && (round_to == at::kBFloat16 || round_to == at::kHalf)),
+              "zrw internal: quantize_matrices rounds fp32 sources to bf16 or fp16 only, got ",
+              src_dtype, " -> ", round_to);
+  chosen().quantize(src, src_dtype, round_to, nmat, N, K, fmt, mode, out);
 }
 
 void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,

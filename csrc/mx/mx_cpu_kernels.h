@@ -23,9 +23,14 @@ struct QuantOutputs {
 };
 
 // Quantizes a contiguous stack of `nmat` matrices (N, K) of src_dtype (bf16, fp16, fp32) into
-// every layout whose pointers are set, reading each element once.
-using QuantizeMatricesFn = void (*)(const void* src, at::ScalarType src_dtype, int64_t nmat,
-                                    int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
+// every layout whose pointers are set, reading each element once. `round_to` is Undefined
+// (quantize the elements as they are) or, for an fp32 source (an FP32 master weight), bf16 or
+// fp16: each element is first rounded to that dtype the way torch converts it
+// (mx::f32_to_bf16_bits_rne, mx::round_f32_to_f16_value), in the same pass, so the bytes are
+// those of quantizing `src.to(round_to)` without that tensor ever existing.
+using QuantizeMatricesFn = void (*)(const void* src, at::ScalarType src_dtype,
+                                    at::ScalarType round_to, int64_t nmat, int64_t N, int64_t K,
+                                    mx::ElemFormat fmt, mx::ScaleMode mode,
                                     const QuantOutputs& out);
 
 // Dequantizes n elements of one row: out[j] = decode(data[j]) * 2^(scale - 127), where the
@@ -36,9 +41,9 @@ using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uin
 
 #define ZRW_DECLARE_CPU_ISA(isa)                                                              \
   namespace isa {                                                                             \
-  void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,  \
-                         int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,                   \
-                         const QuantOutputs& out);                                            \
+  void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,  \
+                         int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt,              \
+                         mx::ScaleMode mode, const QuantOutputs& out);                        \
   void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,  \
                              int64_t n, float* out);                                          \
   void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
@@ -72,8 +77,9 @@ struct GemmCounts {
 GemmCounts gemm_counts();
 void reset_gemm_counts();
 
-void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
-                       int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode, const QuantOutputs& out);
+void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,
+                       int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
+                       const QuantOutputs& out);
 void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                            int64_t n, float* out);
 void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,

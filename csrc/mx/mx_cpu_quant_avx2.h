@@ -26,6 +26,12 @@
 //   lowest kept bit. Jamming is monotone, so block amaxes keep their order, exponent and "above
 //   1.75" test (both scale rules), and the jammed bit lies below every rounding position used
 //   (M <= 3), so nearest-even rounding to M bits sees the same above/at/below-half decision.
+// * An FP32 master quantized as its bf16/fp16 parameter (Round::BF16 / Round::F16, the
+//   *_from_master ops) is rounded to that dtype while it is staged, in the same registers: to
+//   bf16 by the bias add of mx::f32_to_bf16_bits_rne (the staged keys are then the bf16 values
+//   themselves, exact, and serve as the exact path's elements too), to fp16 by vcvtps2ph (IEEE
+//   round to nearest even, what torch's conversion runs), whose values are then staged like an
+//   fp16 input. The fp32 is read once; the rounded tensor exists only chunk by chunk in L1.
 #pragma once
 
 #if !defined(__AVX2__) || !defined(ZRW_CPU_ISA)
@@ -65,6 +71,10 @@ struct Bf16Encode {
 // tiles (per 32-column block, shared by the strip's rows), blocks down the columns.
 enum class BlockKind { None, Row, Tile };
 
+// How fp32 elements are taken: as they are, or first rounded to the parameter dtype (bf16 or
+// fp16) as torch converts them (see the header comment).
+enum class Round { None, BF16, F16 };
+
 // Per-thread buffers for one strip chunk of up to 32 rows x kCols columns.
 struct Scratch {
   static constexpr int64_t kCols = 256;  // 32 x 256 bf16 = 16 KiB: the chunk stays in L1
@@ -76,8 +86,10 @@ struct Scratch {
   alignas(32) uint16_t blk_key[kBlock * kBlocks];
   alignas(32) int16_t blk_off[kBlock * kBlocks];
   alignas(32) uint8_t blk_byte[kBlock * kBlocks];
-  // fp32/fp16 inputs: a chunk staged as jammed bf16.
+  // fp32/fp16 inputs: a chunk staged as jammed bf16 (or, for Round::BF16, as the rounded bf16).
   alignas(32) uint16_t stage[kBlock * kCols];
+  // Round::F16: the chunk's elements rounded to fp16, which the exact path reads.
+  alignas(32) at::Half stage_f16[kBlock * kCols];
   // Zero-padded copy of a strip's last partial 32-column block (as 16-bit keys and as the
   // original values), and its outputs.
   alignas(32) uint16_t tail_src[kBlock * kBlock];
@@ -315,15 +327,73 @@ inline void stage_row(const T* x, uint16_t* out, int64_t n) {
   }
 }
 
+// 8 fp32 lanes -> their bf16 bit patterns in 32-bit lanes, rounded to nearest even as torch
+// converts (the vector form of mx::f32_to_bf16_bits_rne; NaN kept a quiet NaN).
+inline __m256i round_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  // |x| bits above +Inf's are NaN (a signed compare: |x| bits are below 2^31).
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet_nan, nan);
+}
+
+// n (a multiple of 16) fp32 master elements -> their bf16 bit patterns: the exact bf16 values,
+// both keys and elements (Round::BF16).
+inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m256i packed = _mm256_packus_epi32(round_bf16_8(_mm256_loadu_ps(x + j)),
+                                               round_bf16_8(_mm256_loadu_ps(x + j + 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+}
+
+// n (a multiple of 16) fp32 master elements -> their fp16 values (`halves`, what the exact path
+// reads) and those values' jammed bf16 keys (`keys`), as an fp16 input is staged (Round::F16).
+inline void stage_row_f16(const float* x, at::Half* halves, uint16_t* keys, int64_t n) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m128i h0 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j), kRne);
+    const __m128i h1 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j + 8), kRne);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + j), h0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + j + 8), h1);
+    const __m256i packed =
+        _mm256_packus_epi32(jam8(_mm256_cvtph_ps(h0)), jam8(_mm256_cvtph_ps(h1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+}
+
+// An input element's value as the quantization sees it: fp32 master elements rounded to the
+// parameter dtype first (Round::BF16 / F16), everything else as it is.
+template <Round R, typename T>
+inline float element_value(T x) {
+  if constexpr (R == Round::BF16) {
+    return to_float(zrw::mx::f32_to_bf16_bits_rne(x));
+  } else if constexpr (R == Round::F16) {
+    return zrw::mx::round_f32_to_f16_value(x);
+  } else {
+    return to_float(x);
+  }
+}
+
 // Rows [r0, r0 + 32) (clipped to N) of one matrix (N, K) of bf16 (as uint16_t bits), fp32 or
 // fp16: the strip is cut into chunks of Scratch::kCols columns (fp32/fp16 chunks staged as
-// jammed bf16 first); a last partial 32-column block goes through a zero-padded copy (missing
-// elements count as 0 for amax, as everywhere in zrw).
-template <ElemFormat F, BlockKind BK, bool COL, typename T>
+// jammed bf16 first, fp32 masters rounded to the parameter dtype R while staged); a last partial
+// 32-column block goes through a zero-padded copy (missing elements count as 0 for amax, as
+// everywhere in zrw).
+template <ElemFormat F, BlockKind BK, bool COL, Round R, typename T>
 void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
                     uint8_t* blk_data, uint8_t* blk_scale, uint8_t* col_data, uint8_t* col_scale,
                     Scratch& s) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  static_assert(R == Round::None || std::is_same_v<T, float>, "only fp32 masters are rounded");
+  // Keys that are bf16 values themselves (not jammed): a bf16 input, or a master rounded to bf16.
+  constexpr bool kExactKeys = kBf16 || R == Round::BF16;
   const int64_t nrows = std::min<int64_t>(kBlock, N - r0);
   const int64_t KB = (K + kBlock - 1) / kBlock;
   const int64_t strip = r0 / kBlock;
@@ -344,21 +414,31 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
   for (int64_t c0 = 0; c0 < kfull; c0 += Scratch::kCols) {
     const int64_t ncols = std::min(Scratch::kCols, kfull - c0);
     const T* orig = src + r0 * K + c0;
-    const uint16_t* keys;
-    int64_t ld_keys;
+    uint8_t* blk_out = blk_data ? blk_data + r0 * K + c0 : nullptr;
+    uint8_t* col_out = col_data ? col_data + r0 * K + c0 : nullptr;
+    constexpr int64_t ld_stage = Scratch::kCols;
     if constexpr (kBf16) {
-      keys = orig;
-      ld_keys = K;
+      quantize_chunk<F, BK, COL>(orig, K, orig, K, nrows, ncols, mode, blk_out, col_out, K, s);
+    } else if constexpr (R == Round::BF16) {
+      // The staged bf16 values are the elements: the exact path reads them, not the master.
+      for (int64_t r = 0; r < nrows; ++r) {
+        stage_row_bf16(orig + r * K, s.stage + r * ld_stage, ncols);
+      }
+      quantize_chunk<F, BK, COL>(s.stage, ld_stage, static_cast<const uint16_t*>(s.stage),
+                                 ld_stage, nrows, ncols, mode, blk_out, col_out, K, s);
+    } else if constexpr (R == Round::F16) {
+      for (int64_t r = 0; r < nrows; ++r) {
+        stage_row_f16(orig + r * K, s.stage_f16 + r * ld_stage, s.stage + r * ld_stage, ncols);
+      }
+      quantize_chunk<F, BK, COL>(s.stage, ld_stage, static_cast<const at::Half*>(s.stage_f16),
+                                 ld_stage, nrows, ncols, mode, blk_out, col_out, K, s);
     } else {
       for (int64_t r = 0; r < nrows; ++r) {
-        stage_row(orig + r * K, s.stage + r * Scratch::kCols, ncols);
+        stage_row(orig + r * K, s.stage + r * ld_stage, ncols);
       }
-      keys = s.stage;
-      ld_keys = Scratch::kCols;
+      quantize_chunk<F, BK, COL>(s.stage, ld_stage, orig, K, nrows, ncols, mode, blk_out,
+                                 col_out, K, s);
     }
-    quantize_chunk<F, BK, COL>(keys, ld_keys, orig, K, nrows, ncols, mode,
-                               blk_data ? blk_data + r0 * K + c0 : nullptr,
-                               col_data ? col_data + r0 * K + c0 : nullptr, K, s);
     write_scales(c0, ncols, ncols);
   }
   if (kfull == K) return;
@@ -366,12 +446,12 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
   std::memset(s.tail_orig, 0, sizeof(s.tail_orig));
   for (int64_t r = 0; r < nrows; ++r) {
     for (int64_t j = 0; j < tail; ++j) {
-      s.tail_orig[r * kBlock + j] = to_float(src[(r0 + r) * K + kfull + j]);
+      s.tail_orig[r * kBlock + j] = element_value<R>(src[(r0 + r) * K + kfull + j]);
     }
   }
-  // Keys of the tail: bf16 bits as they are, fp32/fp16 (now fp32) jammed.
+  // Keys of the tail: bf16 values as they are, fp32/fp16 (now fp32) jammed.
   for (int64_t r = 0; r < kBlock; ++r) {
-    if constexpr (kBf16) {
+    if constexpr (kExactKeys) {
       for (int64_t j = 0; j < kBlock; ++j) {
         s.tail_src[r * kBlock + j] = static_cast<uint16_t>(
             zrw::mx::f32_bits(s.tail_orig[r * kBlock + j]) >> 16);

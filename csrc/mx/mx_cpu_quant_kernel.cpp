@@ -11,6 +11,10 @@
 // AVX2 (and AVX-512) builds take mx_cpu_quant_avx2.h instead: the same strips, encoded in
 // 16-bit lanes from bf16 bits (fp32/fp16 staged as such first), several times faster; the
 // portable loops here remain the path of the base build.
+//
+// An fp32 source may come with a `round_to` (bf16 or fp16): an FP32 master quantized as its
+// parameter (mx_quantize_*_from_master). Each element is rounded to that dtype as it is loaded
+// into the chunk buffer, so the master is read once and the rounded tensor never exists.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -83,12 +87,26 @@ void load_bf16_span(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = mx::bits_f32(static_cast<uint32_t>(src[j]) << 16);
 }
 
+// An fp32 master's elements rounded to the parameter dtype on the way in, as torch converts them
+// (mx_format.h): the values quantizing `master.to(round_to)` would see.
+void load_master_span(const float* src, float* dst, int64_t n, at::ScalarType round_to) {
+  if (round_to == at::kBFloat16) {
+    for (int64_t j = 0; j < n; ++j) {
+      dst[j] = mx::bits_f32(static_cast<uint32_t>(mx::f32_to_bf16_bits_rne(src[j])) << 16);
+    }
+  } else if (round_to == at::kHalf) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = mx::round_f32_to_f16_value(src[j]);
+  } else {
+    std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
 template <typename T>
-inline void load_span(const T* src, float* dst, int64_t n) {
+inline void load_span(const T* src, float* dst, int64_t n, at::ScalarType round_to) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     load_bf16_span(reinterpret_cast<const uint16_t*>(src), dst, n);
   } else if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
+    load_master_span(src, dst, n, round_to);
   } else {
     for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
   }
@@ -104,10 +122,11 @@ struct StripScratch {
   std::vector<uint8_t> bytes = std::vector<uint8_t>(kChunkCols);
 };
 
-// Quantizes rows [r0, r0 + nrows) (nrows <= 32, r0 a multiple of 32) of one matrix.
+// Quantizes rows [r0, r0 + nrows) (nrows <= 32, r0 a multiple of 32) of one matrix; fp32
+// elements rounded to `round_to` first unless it is Undefined.
 template <ElemFormat F, typename T>
 void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mode,
-                    const QuantOutputs& out, StripScratch& s) {
+                    at::ScalarType round_to, const QuantOutputs& out, StripScratch& s) {
   const int64_t nrows = std::min<int64_t>(kBlock, N - r0);
   const int64_t KB = mx::ceil_div(K, kBlock);
   const int64_t strip = r0 / kBlock;
@@ -117,7 +136,7 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
     const int64_t Cpad = mx::ceil_div(C, kBlock) * kBlock;
     for (int64_t r = 0; r < nrows; ++r) {
       float* row = buf + r * kChunkCols;
-      load_span(src + (r0 + r) * K + c0, row, C);
+      load_span(src + (r0 + r) * K + c0, row, C, round_to);
       // Missing elements of a partial block count as 0 for amax.
       for (int64_t j = C; j < Cpad; ++j) row[j] = 0.0f;
     }
@@ -196,8 +215,9 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
 
 #if defined(__AVX2__)
 // The AVX2 path (mx_cpu_quant_avx2.h) for blocks along rows or 32x32 tiles (or neither), with
-// or without blocks down the columns. T: uint16_t (bf16 bits), float or at::Half.
-template <typename T, typename OutsOf>
+// or without blocks down the columns. T: uint16_t (bf16 bits), float or at::Half; R: how fp32
+// elements are rounded first (an FP32 master quantized as its bf16/fp16 parameter).
+template <avx2_path::Round R, typename T, typename OutsOf>
 void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat fmt,
                         ScaleMode mode, const QuantOutputs& out, const OutsOf& outs_of) {
   using avx2_path::BlockKind;
@@ -218,9 +238,9 @@ void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat 
         const QuantOutputs o = outs_of(m);
         uint8_t* blk_data = BK == BlockKind::Row ? o.row_data : o.tile_data;
         uint8_t* blk_scale = BK == BlockKind::Row ? o.row_scale : o.tile_scale;
-        avx2_path::quantize_strip<F, BK, COL>(src + m * N * K, N, K, (i % strips) * kBlock, mode,
-                                              blk_data, blk_scale, o.col_data, o.col_scale,
-                                              *scratch);
+        avx2_path::quantize_strip<F, BK, COL, R>(src + m * N * K, N, K, (i % strips) * kBlock,
+                                                 mode, blk_data, blk_scale, o.col_data,
+                                                 o.col_scale, *scratch);
       }
     });
   };
@@ -251,8 +271,9 @@ void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat 
 
 }  // namespace
 
-void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, int64_t N,
-                       int64_t K, ElemFormat fmt, ScaleMode mode, const QuantOutputs& out) {
+void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,
+                       int64_t nmat, int64_t N, int64_t K, ElemFormat fmt, ScaleMode mode,
+                       const QuantOutputs& out) {
   const int64_t strips = mx::ceil_div(N, kBlock);
   const int64_t total = nmat * strips;
   if (total == 0 || K == 0) return;
@@ -271,16 +292,26 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, 
   };
 #if defined(__AVX2__)
   if (!(out.row_data && out.tile_data)) {  // every combination the ops request
+    using avx2_path::Round;
     if (src_dtype == at::kBFloat16) {
-      quantize_avx2(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      quantize_avx2<Round::None>(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out,
+                                 outs_of);
       return;
     }
     if (src_dtype == at::kFloat) {
-      quantize_avx2(static_cast<const float*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      const float* f = static_cast<const float*>(src);
+      if (round_to == at::kBFloat16) {
+        quantize_avx2<Round::BF16>(f, nmat, N, K, fmt, mode, out, outs_of);
+      } else if (round_to == at::kHalf) {
+        quantize_avx2<Round::F16>(f, nmat, N, K, fmt, mode, out, outs_of);
+      } else {
+        quantize_avx2<Round::None>(f, nmat, N, K, fmt, mode, out, outs_of);
+      }
       return;
     }
     if (src_dtype == at::kHalf) {
-      quantize_avx2(static_cast<const at::Half*>(src), nmat, N, K, fmt, mode, out, outs_of);
+      quantize_avx2<Round::None>(static_cast<const at::Half*>(src), nmat, N, K, fmt, mode, out,
+                                 outs_of);
       return;
     }
   }
@@ -296,9 +327,9 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, int64_t nmat, 
         const int64_t r0 = (i % strips) * kBlock;
         const scalar_t* mat = base + m * N * K;
         if (fmt == ElemFormat::E4M3) {
-          quantize_strip<ElemFormat::E4M3>(mat, N, K, r0, mode, outs_of(m), scratch);
+          quantize_strip<ElemFormat::E4M3>(mat, N, K, r0, mode, round_to, outs_of(m), scratch);
         } else {
-          quantize_strip<ElemFormat::E5M2>(mat, N, K, r0, mode, outs_of(m), scratch);
+          quantize_strip<ElemFormat::E5M2>(mat, N, K, r0, mode, round_to, outs_of(m), scratch);
         }
       }
     });

@@ -173,11 +173,10 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_npu(const at::Tensor& x, int64_t 
   return quantize_along(op, x, d, elem_dtype, mode);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
-    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
-  constexpr const char* op = "zrw.mx_quantize_dual";
+// Both axes of a checked weight w (op names the zrw op in errors).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(
+    const char* op, const at::Tensor& w, at::ScalarType elem_dtype, ScaleMode mode) {
   constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
-  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
   const int64_t nd = w.dim();
 
   if (w.scalar_type() == at::kFloat) {
@@ -209,17 +208,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
           scale_from_paired(s2, nd - 2, bwd_shape[nd - 2])};
 }
 
-std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
-                                                          at::ScalarType elem_dtype,
-                                                          c10::string_view scale_mode) {
-  constexpr const char* op = "zrw.mx_quantize_block";
-  constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_npu(
+    const at::Tensor& w, at::ScalarType elem_dtype, c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual";
   const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
-  TORCH_CHECK_TYPE(w.scalar_type() != at::kFloat, op,
-                   ": on NPU, w must be torch.bfloat16 or torch.float16 (torch_npu's ", npu_name,
-                   " takes no float32), got torch.float32: cast the weight first, or use the "
-                   "\"mxfp8\" recipe, which takes float32 on NPU too");
+  return quantize_dual(op, w, elem_dtype, mode);
+}
 
+// 32x32 tiles of a checked bf16/fp16 weight w.
+std::tuple<at::Tensor, at::Tensor> quantize_block(const char* op, const at::Tensor& w,
+                                                  at::ScalarType elem_dtype, ScaleMode mode) {
+  constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
   NpuOperator npu_op(op, npu_name);
   const int64_t nd = w.dim(), N = w.size(nd - 2), K = w.size(nd - 1);
   const auto fwd_shape = checks::scale_shape_along(w.sizes(), nd - 1);  // (..., N, KB)
@@ -239,6 +238,69 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
   // the same bytes): the block scale is every 32nd row of scale1.
   const at::Tensor rows = scale_from_paired(s1, nd - 1, mx::ceil_div(K, kBlock)).view(at::kByte);
   return {data, rows.slice(nd - 2, 0, N, kBlock).contiguous().view(at::kFloat8_e8m0fnu)};
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
+                                                          at::ScalarType elem_dtype,
+                                                          c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_block";
+  const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
+  TORCH_CHECK_TYPE(w.scalar_type() != at::kFloat, op,
+                   ": on NPU, w must be torch.bfloat16 or torch.float16 (torch_npu's "
+                   "npu_dynamic_block_mx_quant takes no float32), got torch.float32: cast the "
+                   "weight first, use mx_quantize_block_from_master, or use the \"mxfp8\" recipe, "
+                   "which takes float32 on NPU too");
+  return quantize_block(op, w, elem_dtype, mode);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantization from an FP32 master. torch_npu has no MX quantization that rounds fp32 to the
+// parameter dtype on the way, so on NPU these are cast + quantize, two passes: master.to(
+// param_dtype) (one aten kernel, the rounding torch applies everywhere) materializes the rounded
+// weight for the duration of the call, and the bf16/fp16 path above quantizes it, so the bytes
+// are those of the CPU kernels' fused pass (docs/npu.md). The operator is looked up before the
+// cast, so that without torch_npu the first error is still the one that names it.
+
+at::Tensor master_as_param(const char* op, const char* npu_name, const at::Tensor& master,
+                           at::ScalarType param_dtype) {
+  NpuOperator lookup(op, npu_name);
+  (void)lookup;
+  return master.to(param_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_from_master_npu(const at::Tensor& master,
+                                                                int64_t dim,
+                                                                at::ScalarType param_dtype,
+                                                                at::ScalarType elem_dtype,
+                                                                c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_from_master";
+  constexpr const char* npu_name = "npu_dynamic_mx_quant";
+  const auto [mode, d] = checks::check_mx_quantize_from_master_args(op, master, dim, param_dtype,
+                                                                   elem_dtype, scale_mode);
+  const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
+  return quantize_along(op, w, d, elem_dtype, mode);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_from_master_npu(
+    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
+    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_dual_from_master";
+  constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
+  const ScaleMode mode = checks::check_master_weight_quantize_args(op, master, param_dtype,
+                                                                   elem_dtype, scale_mode);
+  const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
+  return quantize_dual(op, w, elem_dtype, mode);
+}
+
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_npu(
+    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
+    c10::string_view scale_mode) {
+  constexpr const char* op = "zrw.mx_quantize_block_from_master";
+  constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
+  const ScaleMode mode = checks::check_master_weight_quantize_args(op, master, param_dtype,
+                                                                   elem_dtype, scale_mode);
+  const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
+  return quantize_block(op, w, elem_dtype, mode);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -327,6 +389,9 @@ void impl_mx_npu_kernels(torch::Library& m) {
   m.impl("mx_quantize", &mx_quantize_npu);
   m.impl("mx_quantize_dual", &mx_quantize_dual_npu);
   m.impl("mx_quantize_block", &mx_quantize_block_npu);
+  m.impl("mx_quantize_from_master", &mx_quantize_from_master_npu);
+  m.impl("mx_quantize_dual_from_master", &mx_quantize_dual_from_master_npu);
+  m.impl("mx_quantize_block_from_master", &mx_quantize_block_from_master_npu);
   m.impl("mx_dequantize", &mx_dequantize_npu);
   m.impl("mx_matmul", &mx_matmul_npu);
 }

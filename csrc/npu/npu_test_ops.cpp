@@ -33,6 +33,12 @@ TORCH_LIBRARY(zrw_npu_test, m) {
   m.def("mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("mx_quantize_block(Tensor w, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
+  m.def("mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
+  m.def("mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
+        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
   m.def("mx_dequantize(Tensor data, Tensor scale, int dim, ScalarType out_dtype) -> Tensor");
   m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
         " -> Tensor");

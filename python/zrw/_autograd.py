@@ -14,8 +14,10 @@ from torch import Tensor
 
 # The ops that compute on MX data. The cache ops (quant_and_release, restore, ...) quantize
 # below autograd inside C++ and return fresh FP8 tensors; they are not listed here.
-NOT_DIFFERENTIABLE = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_dequantize",
-                      "mx_matmul", "mx_expand_block_scale")
+NOT_DIFFERENTIABLE = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block",
+                      "mx_quantize_from_master", "mx_quantize_dual_from_master",
+                      "mx_quantize_block_from_master", "mx_dequantize", "mx_matmul",
+                      "mx_expand_block_scale")
 
 _lib = torch.library.Library("zrw", "IMPL")
 

@@ -129,6 +129,74 @@ def _(w, elem_dtype, scale_mode):
     return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=torch.float8_e8m0fnu)
 
 
+# The *_from_master ops: an FP32 master quantized as its bf16/fp16 parameter; the outputs are
+# those of the plain ops (the master's shape, never its dtype).
+_PARAM = (torch.bfloat16, torch.float16)
+
+
+def _check_master(op: str, master) -> None:
+    if master.dtype != torch.float32:
+        raise TypeError(f"{op}: master must be torch.float32 (the FP32 master weight), got "
+                        f"{master.dtype}")
+
+
+def _check_param_dtype(op: str, param_dtype) -> None:
+    if param_dtype not in _PARAM:
+        raise TypeError(f"{op}: param_dtype must be torch.bfloat16 or torch.float16, got "
+                        f"{param_dtype}")
+
+
+def _check_master_weight_rank(op: str, master) -> None:
+    if master.dim() not in (2, 3):
+        raise ValueError(f"{op}: master must be 2-d (N, K) or 3-d (E, N, K), got shape "
+                         f"{list(master.shape)}")
+
+
+@torch.library.register_fake("zrw::mx_quantize_from_master")
+def _(master, dim, param_dtype, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize_from_master"
+    _check_master(op, master)
+    _check_param_dtype(op, param_dtype)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
+    d = _wrap(op, "master", dim, master.dim())
+    return (
+        master.new_empty(master.shape, dtype=elem_dtype),
+        master.new_empty(_scale_shape(master.shape, d), dtype=torch.float8_e8m0fnu),
+    )
+
+
+@torch.library.register_fake("zrw::mx_quantize_dual_from_master")
+def _(master, param_dtype, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize_dual_from_master"
+    _check_master(op, master)
+    _check_master_weight_rank(op, master)
+    _check_param_dtype(op, param_dtype)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
+    nd = master.dim()
+    return (
+        master.new_empty(master.shape, dtype=elem_dtype),
+        master.new_empty(_scale_shape(master.shape, nd - 1), dtype=torch.float8_e8m0fnu),
+        master.new_empty(master.shape, dtype=elem_dtype),
+        master.new_empty(_scale_shape(master.shape, nd - 2), dtype=torch.float8_e8m0fnu),
+    )
+
+
+@torch.library.register_fake("zrw::mx_quantize_block_from_master")
+def _(master, param_dtype, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize_block_from_master"
+    _check_master(op, master)
+    _check_master_weight_rank(op, master)
+    _check_param_dtype(op, param_dtype)
+    _check_elem(op, "elem_dtype", elem_dtype)
+    _check_mode(op, scale_mode)
+    nd = master.dim()
+    bshape = _scale_shape(_scale_shape(master.shape, nd - 1), nd - 2)
+    return (master.new_empty(master.shape, dtype=elem_dtype),
+            master.new_empty(bshape, dtype=torch.float8_e8m0fnu))
+
+
 @torch.library.register_fake("zrw::mx_dequantize")
 def _(data, scale, dim, out_dtype):
     op = "zrw.mx_dequantize"

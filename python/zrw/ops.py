@@ -42,6 +42,9 @@ def _check_types(signature, *args) -> None:
 _QUANTIZE = _signature("mx_quantize")
 _QUANTIZE_DUAL = _signature("mx_quantize_dual")
 _QUANTIZE_BLOCK = _signature("mx_quantize_block")
+_QUANTIZE_FROM_MASTER = _signature("mx_quantize_from_master")
+_QUANTIZE_DUAL_FROM_MASTER = _signature("mx_quantize_dual_from_master")
+_QUANTIZE_BLOCK_FROM_MASTER = _signature("mx_quantize_block_from_master")
 _EXPAND_BLOCK_SCALE = _signature("mx_expand_block_scale")
 _DEQUANTIZE = _signature("mx_dequantize")
 _MATMUL = _signature("mx_matmul")
@@ -87,6 +90,62 @@ def mx_quantize_block(
     """
     _check_types(_QUANTIZE_BLOCK, w, elem_dtype, scale_mode)
     return torch.ops.zrw.mx_quantize_block(w, elem_dtype, scale_mode)
+
+
+# Quantization straight from an FP32 master weight (DESIGN.md §5, the BF16-free optimizer step):
+# a released bf16/fp16 parameter is quantized at its next first use from the master that
+# zrw.optim.MasterWeights keeps, with the bytes of quantizing the parameter itself.
+
+
+def mx_quantize_from_master(
+    master: Tensor, dim: int = -1, param_dtype: torch.dtype = torch.bfloat16,
+    elem_dtype: torch.dtype = E4M3, scale_mode: str = "floor",
+) -> Tuple[Tensor, Tensor]:
+    """mx_quantize(master.to(param_dtype), dim, elem_dtype, scale_mode), without the cast.
+
+    master: float32, any shape (the FP32 master of a bf16/fp16 parameter). Each element is
+    rounded to `param_dtype` (torch.bfloat16 or torch.float16) exactly as `master.to(param_dtype)`
+    / `param.copy_(master)` rounds it (nearest, ties to even; overflow to +-Inf, NaN stays NaN,
+    fp32 subnormals as torch converts them) and quantized in the same pass: the master is read
+    once and the rounded tensor never exists (on CPU; on NPU it is a cast, then the quantization).
+    Returns (data, scale) with mx_quantize's layout: data master's shape in `elem_dtype`, blocks of
+    32 along `dim`; scale master's shape with `dim` -> ceil(D/32), float8_e8m0fnu. Byte for
+    byte the outputs of mx_quantize on the rounded tensor.
+    """
+    _check_types(_QUANTIZE_FROM_MASTER, master, dim, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_from_master(master, dim, param_dtype, elem_dtype, scale_mode)
+
+
+def mx_quantize_dual_from_master(
+    master: Tensor, param_dtype: torch.dtype = torch.bfloat16, elem_dtype: torch.dtype = E4M3,
+    scale_mode: str = "floor",
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mx_quantize_dual(master.to(param_dtype), elem_dtype, scale_mode), without the cast.
+
+    master: float32 (N, K) or (E, N, K). Elements rounded to `param_dtype` (bf16 or fp16) as
+    mx_quantize_from_master rounds them, both axes written from one read. Returns (data_fwd,
+    scale_fwd, data_bwd, scale_bwd): data_fwd (.., N, K) blocked along K with scale_fwd
+    (.., N, ceil(K/32)); data_bwd (.., N, K) blocked along N with scale_bwd (.., ceil(N/32), K).
+    Byte for byte mx_quantize_dual of the rounded weight.
+    """
+    _check_types(_QUANTIZE_DUAL_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_dual_from_master(master, param_dtype, elem_dtype, scale_mode)
+
+
+def mx_quantize_block_from_master(
+    master: Tensor, param_dtype: torch.dtype = torch.bfloat16, elem_dtype: torch.dtype = E4M3,
+    scale_mode: str = "floor",
+) -> Tuple[Tensor, Tensor]:
+    """mx_quantize_block(master.to(param_dtype), elem_dtype, scale_mode), without the cast.
+
+    master: float32 (N, K) or (E, N, K). Elements rounded to `param_dtype` (bf16 or fp16) as
+    mx_quantize_from_master rounds them. Returns (data, block_scale): data (.., N, K), one copy for
+    forward and backward; block_scale (.., ceil(N/32), ceil(K/32)), one scale per 32x32 tile
+    (expand_block_scale gives the per-axis scales). Byte for byte mx_quantize_block of the
+    rounded weight.
+    """
+    _check_types(_QUANTIZE_BLOCK_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_block_from_master(master, param_dtype, elem_dtype, scale_mode)
 
 
 def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:

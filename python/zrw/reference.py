@@ -275,6 +275,57 @@ def mx_quantize_block(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
     return data, block_scale
 
 
+# ------------------------------------------------------------------------------------------------
+# quantization from an FP32 master
+
+
+PARAM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _master_as_param(master, param_dtype):
+    """The parameter an FP32 master stands for: ``master.to(param_dtype)``, torch's own rounding
+    (nearest, ties to even; overflow to +-Inf; NaN stays NaN), which is what the optimizer writes
+    into the parameter (``param.copy_(master)``)."""
+    if not isinstance(master, torch.Tensor):
+        raise TypeError(f"master must be a torch.Tensor, found {type(master).__name__}")
+    if master.dtype != torch.float32:
+        raise TypeError(f"master.dtype must be torch.float32 (the FP32 master weight), found "
+                        f"{master.dtype}")
+    if param_dtype not in PARAM_DTYPES:
+        raise TypeError(f"param_dtype must be one of {PARAM_DTYPES}, found {param_dtype}")
+    return master.to(param_dtype)
+
+
+def mx_quantize_from_master(master, dim=-1, param_dtype=torch.bfloat16,
+                            elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """``mx_quantize`` of the parameter an FP32 master stands for: ``master.to(param_dtype)``.
+
+    Args:
+        master: float32, any rank >= 1.
+        param_dtype: ``torch.bfloat16`` or ``torch.float16``.
+
+    Returns:
+        ``mx_quantize(master.to(param_dtype), dim, elem_dtype, scale_mode)``.
+    """
+    return mx_quantize(_master_as_param(master, param_dtype), dim, elem_dtype, scale_mode)
+
+
+def mx_quantize_dual_from_master(master, param_dtype=torch.bfloat16,
+                                 elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """``mx_quantize_dual(master.to(param_dtype), elem_dtype, scale_mode)``; master (N, K) or
+    (E, N, K), float32."""
+    _check_weight(master, "master")
+    return mx_quantize_dual(_master_as_param(master, param_dtype), elem_dtype, scale_mode)
+
+
+def mx_quantize_block_from_master(master, param_dtype=torch.bfloat16,
+                                  elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+    """``mx_quantize_block(master.to(param_dtype), elem_dtype, scale_mode)``; master (N, K) or
+    (E, N, K), float32."""
+    _check_weight(master, "master")
+    return mx_quantize_block(_master_as_param(master, param_dtype), elem_dtype, scale_mode)
+
+
 def expand_block_scale(block_scale, shape, dim):
     """The per-axis scale that a 32x32 block scale stands for.
 

@@ -30,7 +30,9 @@ from zrw import reference as ref
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 U8 = torch.uint8
-MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_dequantize", "mx_matmul")
+MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_quantize_from_master",
+          "mx_quantize_dual_from_master", "mx_quantize_block_from_master", "mx_dequantize",
+          "mx_matmul")
 
 
 def dtype_id(dtype):
@@ -216,6 +218,66 @@ def test_mx_quantize_block_refuses_float32(npu_pinned, adapter):
 
 
 # ------------------------------------------------------------------------------------------------
+# from an FP32 master: cast to param_dtype (one aten kernel), then the bf16/fp16 operators above
+# (torch_npu has no MX quantization that rounds fp32 on the way; docs/npu.md)
+
+FROM_MASTER_SHAPE = (70, 96)
+PARAM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def master_weights(shape, seed=0):
+    """fp32 masters where the rounding to the parameter dtype decides: weights() (fp32 specials,
+    3e30 rounds to +inf in fp16) with every other row's elements made exact bf16 ties."""
+    master = weights(shape, torch.float32, seed=seed)
+    bits = master.view(torch.int32)
+    finite = master.isfinite()
+    tied = (bits & ~0xFFFF) | 0x8000
+    bits[::2] = torch.where(finite[::2], tied[::2], bits[::2])
+    return master
+
+
+@pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
+def test_from_master_is_cast_then_quantize(npu_ops, adapter, elem, mode, param_dtype):
+    master = master_weights(FROM_MASTER_SHAPE, seed=7)
+    param = master.to(param_dtype)
+    for dim in (-1, 0):
+        got = adapter.mx_quantize_from_master(master, dim, param_dtype, elem, mode)
+        assert_same_mx(got, ref.mx_quantize(param, dim, elem, mode), dim, f"dim {dim}")
+    got = adapter.mx_quantize_dual_from_master(master, param_dtype, elem, mode)
+    rf = ref.mx_quantize_dual(param, elem, mode)
+    assert_same_mx(got[0:2], rf[0:2], -1, "dual fwd")
+    assert_same_mx(got[2:4], rf[2:4], -2, "dual bwd")
+    data, block = adapter.mx_quantize_block_from_master(master, param_dtype, elem, mode)
+    ref_data, ref_block = ref.mx_quantize_block(param, elem, mode)
+    assert torch.equal(block.view(U8), ref_block.view(U8))
+    row_scale = ref.expand_block_scale(ref_block, master.shape, -1)
+    assert_same_mx((data, row_scale), (ref_data, row_scale), -1, "block")
+    # Every operator got the parameter (cast by aten), none the fp32 master: the fp32 dual-axis
+    # fallback (two one-axis calls) and the block operator's fp32 refusal never apply.
+    assert [c.op for c in npu_ops.records] == ["npu_dynamic_mx_quant"] * 2 + [
+        "npu_dynamic_mx_quant_with_dual_axis", "npu_dynamic_block_mx_quant"]
+    assert all(c.args[0].dtype == param_dtype for c in npu_ops.records)
+
+
+def test_from_master_argument_errors_name_the_argument(npu_pinned, adapter):
+    master = master_weights((4, 64))
+    with pytest.raises(TypeError, match=r"zrw\.mx_quantize_from_master: master must be "
+                                        r"torch\.float32 \(the FP32 master weight\), got BFloat16"):
+        adapter.mx_quantize_from_master(master.bfloat16(), -1, torch.bfloat16, E4M3, "floor")
+    with pytest.raises(TypeError, match=r"zrw\.mx_quantize_dual_from_master: param_dtype must be "
+                                        r"torch\.bfloat16 or torch\.float16, got Float"):
+        adapter.mx_quantize_dual_from_master(master, torch.float32, E4M3, "floor")
+    with pytest.raises(ValueError, match=r"zrw\.mx_quantize_block_from_master: master must be "
+                                         r"2-d \(N, K\) or 3-d"):
+        adapter.mx_quantize_block_from_master(master[0], torch.bfloat16, E4M3, "floor")
+    with pytest.raises(IndexError, match=r"zrw\.mx_quantize_from_master: dim must be in"):
+        adapter.mx_quantize_from_master(master, 2, torch.float16, E4M3, "floor")
+    assert not npu_pinned.calls  # refused before reaching torch_npu
+
+
+# ------------------------------------------------------------------------------------------------
 # dequantization: ATen ops, no torch_npu operator
 
 
@@ -384,7 +446,8 @@ def test_mirror_schemas_are_zrw_schemas(adapter):
 
 @pytest.mark.skipif(torch_npu_loaded(), reason="expects the npu:: operators to be missing")
 @pytest.mark.parametrize("op", ["mx_quantize", "mx_quantize_dual", "mx_quantize_block",
-                                "mx_matmul"])
+                                "mx_quantize_from_master", "mx_quantize_dual_from_master",
+                                "mx_quantize_block_from_master", "mx_matmul"])
 def test_the_npu_key_reaches_the_adapter(op):
     # With PrivateUse1 added to the thread's dispatch keys, CPU tensors dispatch to zrw's NPU
     # kernels; without torch_npu they stop at the operator lookup, which comes before any aten op
@@ -394,6 +457,11 @@ def test_the_npu_key_reaches_the_adapter(op):
         "mx_quantize": (x, -1, E4M3, "floor"),
         "mx_quantize_dual": (x, E4M3, "floor"),
         "mx_quantize_block": (x, E4M3, "floor"),
+        # the operator is looked up before the master is cast (an aten op, which would find no
+        # PrivateUse1 kernel here)
+        "mx_quantize_from_master": (x.float(), -1, torch.bfloat16, E4M3, "floor"),
+        "mx_quantize_dual_from_master": (x.float(), torch.bfloat16, E4M3, "floor"),
+        "mx_quantize_block_from_master": (x.float(), torch.float16, E4M3, "floor"),
         "mx_matmul": (*ref.mx_quantize(x, -1, E4M3, "floor"),
                       *ref.mx_quantize(x, -1, E4M3, "floor"), torch.float32),
     }[op]

@@ -190,6 +190,16 @@ def adapter_cases():
                 yield (f"block-{shape}-{e}-{mode}",
                        lambda adapter, s=shape, el=elem, m=mode:
                        adapter.mx_quantize_block(cases.weights(s), el, m))
+    for param_dtype in cases.PARAM_DTYPES:
+        p = cases.dtype_id(param_dtype)
+        yield (f"from-master-{p}",
+               lambda adapter, pd=param_dtype: (
+                   adapter.mx_quantize_from_master(cases.master_weights(cases.FROM_MASTER_SHAPE),
+                                                   0, pd, E4M3, "floor"),
+                   adapter.mx_quantize_dual_from_master(
+                       cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E4M3, "rceil"),
+                   adapter.mx_quantize_block_from_master(
+                       cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E5M2, "floor")))
     out_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     for k in cases.MATMUL_KS:
         for a_layout in cases.LAYOUTS:

@@ -6,6 +6,12 @@ one-axis quantization, and torchao's `to_mx` doing the same work (both axes: to_
 w.t().contiguous()). It also times mx_matmul against a bf16 torch.matmul of the same shape, and
 the dual-axis kernel on 1 and on all threads.
 
+Quantization straight from an FP32 master (the *_from_master ops: each element rounded to bf16
+and quantized in one read) is timed in the same rounds against a `copy_` of the fp32 master into
+a preallocated fp32 buffer, and shown beside the bf16 op's ratio to the bf16 copy: the fused op
+reads twice the bytes, so equal ratios mean it is as fast per byte read as the bf16 path. The
+two-pass alternative (`master.to(torch.bfloat16)`, then the bf16 op) is timed too.
+
 Output memory: the quantization ops allocate their outputs on every call, the copy_ writes into
 a tensor it already has. On glibc the benchmark keeps freed memory in the heap, so the ops reuse
 warm pages like the copy does, and then times the dual-axis op once more with fresh pages for
@@ -42,8 +48,10 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     dst = torch.empty_like(w)
+    master = torch.randn(n, k, dtype=torch.float32)
+    dst32 = torch.empty_like(master)
     threads = torch.get_num_threads()
-    e4m3 = torch.float8_e4m3fn
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
     kernels = {
         "copy": lambda: dst.copy_(w),
         "dual": lambda: ops.mx_quantize_dual(w, e4m3, "floor"),
@@ -51,10 +59,22 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
         "single_dim_-1": lambda: ops.mx_quantize(w, -1, e4m3, "floor"),
         "single_dim_0": lambda: ops.mx_quantize(w, 0, e4m3, "floor"),
     }
+    # The same layouts from the fp32 master, timed in the same rounds against an fp32 copy.
+    master_kernels = {
+        "copy_fp32": lambda: dst32.copy_(master),
+        "dual_from_master": lambda: ops.mx_quantize_dual_from_master(master, bf16, e4m3, "floor"),
+        "block_from_master":
+            lambda: ops.mx_quantize_block_from_master(master, bf16, e4m3, "floor"),
+        "single_dim_-1_from_master":
+            lambda: ops.mx_quantize_from_master(master, -1, bf16, e4m3, "floor"),
+        "cast_then_dual": lambda: ops.mx_quantize_dual(master.to(bf16), e4m3, "floor"),
+    }
 
     warm = warm_heap()
-    t = best_of_interleaved(kernels, repeat)
-    t_copy = t["copy"]
+    t_all = best_of_interleaved({**kernels, **master_kernels}, repeat)
+    t = {name: t_all[name] for name in kernels}
+    t_master = {name: t_all[name] for name in master_kernels}
+    t_copy, t_copy32 = t["copy"], t_master["copy_fp32"]
     t_dual_fresh = None
     if fresh_pages():
         t_dual_fresh = best_of_interleaved(
@@ -95,6 +115,7 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
         "mx_matmul_gemm_ran": gemm_ran,
         "ms": {
             **{name: v * 1e3 for name, v in t.items()},
+            **{name: v * 1e3 for name, v in t_master.items()},
             "dual_fresh_output_pages": None if t_dual_fresh is None else t_dual_fresh * 1e3,
             "copy_1_thread": t1["copy"] * 1e3,
             "dual_1_thread": t1["dual"] * 1e3,
@@ -105,6 +126,20 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
         },
         "allocator": "glibc, freed memory kept in the heap" if warm else "as is",
         "ratio_to_copy": {name: v / t_copy for name, v in t.items() if name != "copy"},
+        # The fused master ops against the fp32 copy, and each one's bf16 counterpart against
+        # the bf16 copy (same figure as ratio_to_copy): equal ratios = as fast per byte read.
+        "from_master": {
+            "param_dtype": "bfloat16",
+            "ratio_to_fp32_copy": {
+                "dual": t_master["dual_from_master"] / t_copy32,
+                "block": t_master["block_from_master"] / t_copy32,
+                "single_dim_-1": t_master["single_dim_-1_from_master"] / t_copy32,
+                "cast_then_dual": t_master["cast_then_dual"] / t_copy32,
+            },
+            "bf16_ratio_to_bf16_copy": {
+                name: t[name] / t_copy for name in ("dual", "block", "single_dim_-1")
+            },
+        },
         "speedup_vs_torchao": {
             "dual": ratio(t_ao_dual, t["dual"]),
             "single_dim_-1": ratio(t_ao_single, t["single_dim_-1"]),
@@ -138,6 +173,17 @@ def main(argv=None) -> None:
         rows.append([label, ms[key], rc[key], "" if ao is None or ms[ao] is None else ms[ao],
                      "" if sp.get(key) is None else f"{sp[key]:.0f}x"])
     print_table("", ["kernel", "ms", "x copy", "torchao ms", "zrw speed-up"], rows)
+    fm = r["from_master"]
+    print_table("\n  from an FP32 master (rounded to bf16 and quantized in one read), against a "
+                "copy_ of the fp32 master; the bf16 op against the bf16 copy_ beside it:",
+                ["kernel", "ms", "x fp32 copy", "bf16 op: x bf16 copy"],
+                [["fp32 copy_ (baseline)", ms["copy_fp32"], 1.0, ""]]
+                + [[label, ms[key + "_from_master"], fm["ratio_to_fp32_copy"][key],
+                    fm["bf16_ratio_to_bf16_copy"][key]]
+                   for key, label in [("dual", "dual-axis"), ("block", "32x32 block"),
+                                      ("single_dim_-1", "one axis, dim -1")]]
+                + [["cast to bf16, then dual", ms["cast_then_dual"],
+                    fm["ratio_to_fp32_copy"]["cast_then_dual"], ""]])
     print(f"\n  output memory: {r['allocator']}")
     if ms["dual_fresh_output_pages"] is not None:
         fresh = ms["dual_fresh_output_pages"]
