@@ -163,7 +163,9 @@ def run_ddp(args):
         released.append(peak)
         opt.step()
         opt.zero_grad()
-    weights = {n: p.detach().float().clone() for n, p in seq.named_parameters()}
+    # Read through state_dict: the BF16-free step keeps the weights released after the step.
+    sd = seq.state_dict()
+    weights = {n: sd[n].float().clone() for n, _ in seq.named_parameters()}
     # DDP keeps the replicas identical: every rank ends with the same weights.
     sums = [None] * args.world
     dist.all_gather_object(sums, [w.double().sum().item() for w in weights.values()])
