@@ -32,6 +32,7 @@ STATEFUL_NO_REFERENCE: dict = {
     "cache_states": _CACHE,
     "restore_weights": _CACHE,
     "assign_weights": _CACHE,
+    "cache_master": _CACHE,
 }
 
 # The MX ops this package was built around: if one disappears, the enumeration is broken.

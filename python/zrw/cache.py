@@ -155,9 +155,14 @@ def master_of(weight: Tensor) -> Optional[Tensor]:
     entry holds while it is released after a keep_released write-back, or None."""
     ref = _masters.get(weight)
     master = None if ref is None else ref()
-    if master is None:
-        master = torch.ops.zrw.cache_master(weight)
-    return master
+    return cache_master(weight) if master is None else master
+
+
+def cache_master(w: Tensor) -> Optional[Tensor]:
+    """The FP32 master that w's cache entry holds while w is released by a keep_released
+    write-back (the BF16-free step), or None."""
+    _check_tensor("zrw.cache.cache_master", "w", w)
+    return torch.ops.zrw.cache_master(w)
 
 
 def _no_master_error(op: str, w: Tensor) -> ValueError:
