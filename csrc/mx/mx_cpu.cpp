@@ -33,9 +33,10 @@ ElemFormat elem_format(at::ScalarType t) {
 uint8_t* bytes_of(at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 // ---------------------------------------------------------------------------------------------
-// The three quantization layouts (the input made contiguous first), shared by the ops on a bf16/fp16/fp32
-// tensor (round_to Undefined) and the *_from_master ops on an FP32 master (round_to = the
-// parameter dtype: each element is rounded to it as it is read, mx_cpu_kernels.h).
+// The three quantization layouts (the input made contiguous first), shared by the ops on a
+// bf16/fp16/fp32 tensor (round_to Undefined) and the *_from_master ops on an FP32 master
+// (round_to = the parameter dtype: each element is rounded to it as it is read,
+// mx_cpu_kernels.h).
 
 std::tuple<at::Tensor, at::Tensor> quantize_along(const at::Tensor& x, int64_t d,
                                                   at::ScalarType elem_dtype, ScaleMode mode,

@@ -157,6 +157,19 @@ inline float to_float(uint16_t bf16_bits) {
 inline float to_float(float x) { return x; }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// A chunk is read row by row from 32 rows at once (the staging of fp32/fp16 inputs, or pass 1
+// of a bf16 chunk), each row a separate stream K elements from the next, which the hardware
+// prefetchers do not keep ahead of: without help the loads wait on memory. Each 64-byte step
+// asks for the line one chunk further along its row, into L2 (L1 would not hold two chunks next
+// to the stage buffers): the row's next chunk, or past the row's end (a prefetch never faults).
+// On Zen 4 (1 thread, 2048 x 2048) it took the fp32 master's 32x32 and one-axis quantization
+// from ~1.4x the bf16 path's time per byte read to at most the bf16 path's, and the bf16 path
+// itself from 1.8 / 1.0 / 1.2 ms (dual, 32x32, one axis) to 1.3 / 0.8 / 0.85 ms.
+template <typename T>
+inline void prefetch_next_chunk(const T* x) {
+  _mm_prefetch(reinterpret_cast<const char*>(x + Scratch::kCols), _MM_HINT_T1);
+}
+
 // The exact path for one 32-element run of a row of original input elements: every element
 // through x * 2^-e and mx::encode_elem_lane, the way the portable kernel computes it.
 template <ElemFormat F, BlockKind BK, bool COL, typename T>
@@ -179,10 +192,11 @@ inline void encode_run_exact(const T* x, uint8_t blk_byte, const uint8_t* col_by
 // `orig` (row stride `ld_orig`; read only by the exact path), written to blk_out/col_out (row
 // stride `ld_out`), with the scale bytes left in s.blk_byte ([row][block]; row 0 for tiles)
 // and s.col_byte. Blocks and columns whose scale is NaN (0xFF) get element bytes kElemNaN.
+// `prefetch_src`: src is the input itself (a bf16 weight), not a stage buffer.
 template <ElemFormat F, BlockKind BK, bool COL, typename T>
 void quantize_chunk(const uint16_t* src, int64_t ld, const T* orig, int64_t ld_orig,
                     int64_t nrows, int64_t ncols, ScaleMode mode, uint8_t* blk_out,
-                    uint8_t* col_out, int64_t ld_out, Scratch& s) {
+                    uint8_t* col_out, int64_t ld_out, Scratch& s, bool prefetch_src = false) {
   using C = Bf16Encode<F>;
   constexpr bool kNeedCols = COL || BK == BlockKind::Tile;
   const int64_t nb = ncols / kBlock;
@@ -192,6 +206,7 @@ void quantize_chunk(const uint16_t* src, int64_t ld, const T* orig, int64_t ld_o
   for (int64_t r = 0; r < nrows; ++r) {
     const uint16_t* row = src + r * ld;
     for (int64_t b = 0; b < nb; ++b) {
+      if (prefetch_src) prefetch_next_chunk(row + 32 * b);
       const __m256i a0 = abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b)));
       const __m256i a1 =
           abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b + 16)));
@@ -316,10 +331,12 @@ inline __m256 load8(const at::Half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
 
-// n (a multiple of 16) fp32/fp16 elements -> jammed bf16 keys.
+// n (a multiple of 16) fp32/fp16 elements -> jammed bf16 keys; `prefetch`: x is a row of a
+// chunk of the input (prefetch_next_chunk), not a small buffer.
 template <typename T>
-inline void stage_row(const T* x, uint16_t* out, int64_t n) {
+inline void stage_row(const T* x, uint16_t* out, int64_t n, bool prefetch = false) {
   for (int64_t j = 0; j < n; j += 16) {
+    if (prefetch) prefetch_next_chunk(x + j);
     // packus_epi32 works per 128-bit lane; the permute puts the 16 keys back in order.
     const __m256i packed = _mm256_packus_epi32(jam8(load8(x + j)), jam8(load8(x + j + 8)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
@@ -345,6 +362,7 @@ inline __m256i round_bf16_8(__m256 v) {
 // both keys and elements (Round::BF16).
 inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
+    prefetch_next_chunk(x + j);
     const __m256i packed = _mm256_packus_epi32(round_bf16_8(_mm256_loadu_ps(x + j)),
                                                round_bf16_8(_mm256_loadu_ps(x + j + 8)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
@@ -357,6 +375,7 @@ inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n) {
 inline void stage_row_f16(const float* x, at::Half* halves, uint16_t* keys, int64_t n) {
   constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t j = 0; j < n; j += 16) {
+    prefetch_next_chunk(x + j);
     const __m128i h0 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j), kRne);
     const __m128i h1 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j + 8), kRne);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + j), h0);
@@ -418,7 +437,8 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
     uint8_t* col_out = col_data ? col_data + r0 * K + c0 : nullptr;
     constexpr int64_t ld_stage = Scratch::kCols;
     if constexpr (kBf16) {
-      quantize_chunk<F, BK, COL>(orig, K, orig, K, nrows, ncols, mode, blk_out, col_out, K, s);
+      quantize_chunk<F, BK, COL>(orig, K, orig, K, nrows, ncols, mode, blk_out, col_out, K, s,
+                                 /*prefetch_src=*/true);
     } else if constexpr (R == Round::BF16) {
       // The staged bf16 values are the elements: the exact path reads them, not the master.
       for (int64_t r = 0; r < nrows; ++r) {
@@ -434,7 +454,7 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
                                  ld_stage, nrows, ncols, mode, blk_out, col_out, K, s);
     } else {
       for (int64_t r = 0; r < nrows; ++r) {
-        stage_row(orig + r * K, s.stage + r * ld_stage, ncols);
+        stage_row(orig + r * K, s.stage + r * ld_stage, ncols, /*prefetch=*/true);
       }
       quantize_chunk<F, BK, COL>(s.stage, ld_stage, orig, K, nrows, ncols, mode, blk_out,
                                  col_out, K, s);

@@ -453,7 +453,8 @@ def _opcheck_cases():
     w_nan[3, 40] = math.nan
     w3 = torch.randn(2, 33, 65, generator=gen)
     cases = []
-    for tag, m, p, e, s in (("bf16", w, BF16, E4M3, "floor"), ("nan-fp16", w_nan, FP16, E5M2, "rceil"),
+    for tag, m, p, e, s in (("bf16", w, BF16, E4M3, "floor"),
+                            ("nan-fp16", w_nan, FP16, E5M2, "rceil"),
                             ("3d", w3, BF16, E5M2, "floor"), ("t", w.t(), FP16, E4M3, "rceil")):
         cases.append((f"{tag}-dim-1", "mx_quantize_from_master", (m, -1, p, e, s)))
         cases.append((f"{tag}-dim0", "mx_quantize_from_master", (m, 0, p, e, s)))
