@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from . import cache
+from .parallel import local_tensor, local_tensors
 
 _HOOKS_ATTR = "_zrw_boundary_hooks"
 
@@ -138,7 +139,7 @@ class MasterWeights(torch.optim.Optimizer):
     def _register_masters(self, start: int = 0) -> None:
         for group, masters in zip(self.param_groups[start:], self.masters[start:]):
             for p, m in zip(group["params"], masters):
-                cache.register_master(p, m)
+                cache.register_master(local_tensor(p), local_tensor(m))
 
     def _pull_hyperparameters(self) -> None:
         """inner -> outer: the hyper-parameters the inner optimizer filled in."""
@@ -179,7 +180,7 @@ class MasterWeights(torch.optim.Optimizer):
         """Before the inner step: the FP8 copies of parameters that kept their BF16 storage are
         dead weight (the step changes those parameters), so they go now, not at the write-back;
         released parameters keep theirs until the write-back restores them."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = local_tensors(p for g in self.param_groups for p in g["params"])
         for p, state in zip(params, cache.cache_states(params)):
             if state == 1:
                 cache.cache_invalidate(p)
@@ -188,7 +189,9 @@ class MasterWeights(torch.optim.Optimizer):
         """Every parameter gets bf16(master): released ones are restored from their master."""
         params = [p for g in self.param_groups for p in g["params"]]
         masters = [m for ms in self.masters for m in ms]
-        cache.assign_weights(params, masters)
+        # A DTensor parameter (tensor / expert parallelism): its local shard gets the local
+        # shard of its DTensor master.
+        cache.assign_weights(local_tensors(params), local_tensors(masters))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -327,7 +330,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None) -> torc
     def pre_hook(opt, args, kwargs):
         _run_boundary_callbacks(opt)
         if not masters:
-            cache.restore_weights(_params_of(opt), fill)
+            cache.restore_weights(local_tensors(_params_of(opt)), fill)
         return _wrap_closure(args, kwargs)
 
     def post_hook(opt, args, kwargs):
@@ -358,8 +361,8 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     params = [p for p in _params_of(optimizer) if p.grad is not None]
     if not params:
         return
-    states = cache.cache_states(params)
-    released = [p for p, st in zip(params, states) if st >= 2]
+    states = cache.cache_states(local_tensors(params))
+    released = [local_tensor(p) for p, st in zip(params, states) if st >= 2]
     if released:
         names = ", ".join(repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>")
                           for p in released[:8])

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import cache
+from .. import parallel
 from ..config import QuantRecipe, get_recipe
 from .linear import (NamedWeight, ReleasedWeightsRefuseStateDict, _weight_planes,
                      check_layer_args, restamp_names)
@@ -131,6 +132,12 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
                          f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
+    if parallel.is_dtensor(weight):
+        raise TypeError(
+            f"{op}: expert stack '{shown}' is a DTensor ({weight.placements}) inside forward: "
+            "zrw runs an expert stack on the local shard the parallel engine hands its forward "
+            "(transformers' tp_plan / ep_plan: moe_tp_experts, ep_dispatch_experts); a DTensor "
+            "expert stack without such an engine style is not supported")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
     return _MXGroupedFn.apply(x.contiguous(), weight, counts, q.fwd.data, q.fwd.scale,
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .. import parallel
 from .. import planes
 from .. import cache
 from ..config import QuantRecipe, get_recipe
@@ -31,14 +32,17 @@ class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Optional[Tensor], w_fwd: Tensor,
                 w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
-                scale_mode: str, main_grad: bool):
+                scale_mode: str, main_grad: bool, main_grad_owner: Optional[Tensor]):
         qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
         y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
         if bias is not None:
             y = y + bias
         ctx.gathered = weight if w_bwd is None else None
         ctx.save_for_backward(qx_m, sx_m, w_bwd, w_bwd_scale)
-        ctx.weight = weight if main_grad else None
+        # main_grad accumulates on the parameter itself (a DTensor's, when `weight` is the
+        # autograd view of its local shard).
+        owner = weight if main_grad_owner is None else main_grad_owner
+        ctx.weight = owner if main_grad else None
         ctx.has_bias = bias is not None
         ctx.elem_dtype, ctx.scale_mode, ctx.main_grad = elem_dtype, scale_mode, main_grad
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
@@ -61,7 +65,8 @@ class _MXLinearFn(torch.autograd.Function):
             if ctx.main_grad:
                 # Megatron-style: accumulate in FP32 into weight.main_grad, no .grad.
                 w = ctx.weight
-                g = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), torch.float32)
+                g = parallel.wrap_like(w, ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(),
+                                                        sx_m.t(), torch.float32))
                 if getattr(w, "main_grad", None) is None:
                     w.main_grad = g
                 else:
@@ -69,7 +74,7 @@ class _MXLinearFn(torch.autograd.Function):
             else:
                 dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), ctx.w_dtype)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
@@ -82,6 +87,11 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
         # re-gather: backward must read them from the weight then, never keep forward's.
         q = weight.mx_weight("fwd")
         return planes.MXWeight(q.recipe, q.fwd, planes.MXPlane(None, None))
+    owner = parallel.engine_view_owner(weight)
+    if owner is not None:
+        # A DTensor's local shard, handed to forward as a to_local() view by a parallel
+        # engine: the cache works on the local tensor the view shows.
+        return parallel.quant_engine_view(weight, owner, recipe, release, release_frozen, name)
     return cache.quant_and_release(weight, cache_recipe(recipe), release,
                                  release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                  scale_mode=recipe.scale_mode, name=name)
@@ -138,12 +148,25 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
         name = cache.weight_name(weight) if name is None else name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
+    if parallel.is_dtensor(weight):
+        # Sharded by a tensor-parallel engine: compute on this rank's local shard.
+        return parallel.dtensor_linear(x, weight, bias, recipe, release, release_frozen, name,
+                                       main_grad)
     q = _weight_planes(weight, recipe, release, release_frozen, name)
+    return apply_mx_linear(x, weight, bias, q, recipe, main_grad)
+
+
+def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: planes.MXWeight,
+                    recipe: QuantRecipe, main_grad: bool = False,
+                    main_grad_owner: Optional[Tensor] = None) -> Tensor:
+    """The MXLinear GEMMs with the weight's planes `q` already looked up; `weight` is the
+    tensor autograd hands the weight gradient (for a sharded weight, the view of its local
+    shard) and `main_grad_owner` the parameter that accumulates main_grad (default: weight)."""
     x2d = x.reshape(-1, x.shape[-1])
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     y = _MXLinearFn.apply(x2d, weight, bias, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale,
-                          recipe.elem_dtype, recipe.scale_mode, main_grad)
+                          recipe.elem_dtype, recipe.scale_mode, main_grad, main_grad_owner)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -177,7 +200,8 @@ class ReleasedWeightsRefuseStateDict:
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         params = [self._parameters.get(n) for n in self.zrw_quantized]
         params = [p for p in params if isinstance(p, torch.Tensor)]
-        released = [p for p, st in zip(params, cache.cache_states(params)) if st >= 2]
+        states = cache.cache_states(parallel.local_tensors(params))  # a DTensor: its local shard
+        released = [parallel.local_tensor(p) for p, st in zip(params, states) if st >= 2]
         if released:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in released)
             raise RuntimeError(
