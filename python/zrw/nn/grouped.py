@@ -222,12 +222,16 @@ class MXFusedExperts(ReleasedWeightsRefuseStateDict, nn.Module):
         n_routed = sum(counts)
         order, token_of = order[:n_routed], token_of[:n_routed]  # drops any index >= E
         x = hidden_states[token_of]
+        # The stacks as a parallel engine hands them (to_local() views of DTensors) carry no
+        # name of their own: pass the layer's, for zrw's messages.
+        names = (self._stack_names()
+                 if parallel.engine_view_owner(self.gate_up_proj) is not None else {})
         gu = mx_grouped_linear(x, self.gate_up_proj, counts, self.recipe, self.release,
-                               self.release_frozen)
+                               self.release_frozen, names.get("gate_up_proj"))
         gate, up = gu.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
         out = mx_grouped_linear(h, self.down_proj, counts, self.recipe, self.release,
-                                self.release_frozen)
+                                self.release_frozen, names.get("down_proj"))
         out = out * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         final.index_add_(0, token_of, out.to(final.dtype))

@@ -267,8 +267,10 @@ class MXLinear(NamedWeight, ReleasedWeightsRefuseStateDict, nn.Linear):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
+        # A sharded weight is a new Parameter (the engine's DTensor) without the layer's name.
+        name = self.zrw_name if parallel.is_dtensor(self.weight) else None
         return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
-                         self.release_frozen, None, self.main_grad)
+                         self.release_frozen, name, self.main_grad)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")
