@@ -7,6 +7,7 @@ BENCHMARKS = {
     "quant": "zrw.bench.quant",
     "cache": "zrw.bench.cache",
     "fsdp": "zrw.bench.fsdp",
+    "seed": "zrw.bench.seed",
 }
 
 
