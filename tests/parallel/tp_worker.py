@@ -135,8 +135,11 @@ def train(model, data, record_routing=False):
     def pre_step(o, a, k):
         released.append(zrw.cache.cache_stats()["released_bytes"])
         if not grads:  # the first step's gradients (every rank gathers the DTensor ones)
-            grads.update({n: full(p.grad) for n, p in model.named_parameters()
-                          if p.grad is not None})
+            for n, p in model.named_parameters():
+                g = getattr(p, "main_grad", None)  # zrw.convert(main_grad=True): FP32
+                g = p.grad if g is None else g
+                if g is not None:
+                    grads[n] = full(g)
 
     opt.register_step_pre_hook(pre_step)
     zrw.optim.attach(opt)
@@ -185,19 +188,20 @@ def run_case(case, args, world, rank):
                  experts=case.get("experts", 4), act=case.get("act", "fp32"),
                  freeze_head_norms=(engine == "hf"))
     data = batches(args.steps, args.micro)
+    main_grad = case.get("main_grad", False)
     out = {}
     orders = case.get("orders", ["before"])
     for mode in ("off", "on"):
         for order in orders if mode == "on" else ["before"]:
             model = build(kind, **shape)
             if order == "before":
-                zrw.convert(model, "mxfp8", release=(mode == "on"))
+                zrw.convert(model, "mxfp8", release=(mode == "on"), main_grad=main_grad)
             if engine == "torch":
                 model = torch_tp(model, world, kind)
             else:
                 model = hf_plan(model, case.get("tp", world), case.get("ep", 1))
             if order == "after":
-                zrw.convert(model, "mxfp8", release=True)
+                zrw.convert(model, "mxfp8", release=True, main_grad=main_grad)
             summary = zrw.parallel.prepare(model)
             r = train(model, data, record_routing=(kind == "moe"))
             r["prepare"] = {"local_elements": summary.local_elements,
@@ -214,7 +218,7 @@ def run_case(case, args, world, rank):
             del model
     if rank == 0:
         model = build(kind, **shape)
-        zrw.convert(model, "mxfp8", release=True)
+        zrw.convert(model, "mxfp8", release=True, main_grad=main_grad)
         r = train(model, data, record_routing=(kind == "moe"))
         r["weights"] = {n: full(p) for n, p in model.named_parameters()}
         out["unsharded"] = r
@@ -268,7 +272,8 @@ CASES = {
     # 2 ranks
     "torch_dense": dict(engine="torch", kind="dense", orders=["before", "after"]),
     "torch_moe": dict(engine="torch", kind="moe"),
-    "hf_dense": dict(engine="hf", kind="dense"),
+    # Megatron-style FP32 weight gradients (zrw.convert(main_grad=True)) on DTensor weights
+    "hf_dense": dict(engine="hf", kind="dense", main_grad=True),
     "hf_moe_tp": dict(engine="hf", kind="moe"),
     "hf_moe_ep": dict(engine="hf", kind="moe", ep=2),
     "hf_moe_ep_bf16": dict(engine="hf", kind="moe", ep=2, act="bf16"),
