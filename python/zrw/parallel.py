@@ -33,6 +33,7 @@ a BF16 layer; EP moves whole tokens and changes nothing but the order of the row
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -88,6 +89,15 @@ def engine_view_owner(w: Tensor) -> Optional[Tensor]:
             or w.storage_offset() != base.storage_offset()):
         return None
     return base
+
+
+def main_grad_owner(weight: Tensor) -> Tensor:
+    """The parameter that accumulates `weight`'s main_grad: for an engine's to_local() view,
+    the DTensor parameter it shows (recorded by `prepare`); else `weight` itself."""
+    base = engine_view_owner(weight)
+    ref = getattr(base, "_zrw_dtensor", None) if base is not None else None
+    param = ref() if ref is not None else None
+    return weight if param is None else param
 
 
 def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
@@ -352,6 +362,7 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
                 sharded = True
                 summary.weights[qual] = str(p.placements[0])
                 local._zrw_prepared = True
+                local._zrw_dtensor = weakref.ref(p)  # main_grad's owner, seen from a view
                 if not cache.weight_name(local):
                     cache.set_weight_name(local, qual)
             else:

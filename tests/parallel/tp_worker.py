@@ -271,11 +271,11 @@ def run_errors(args, world, rank):
 CASES = {
     # 2 ranks
     "torch_dense": dict(engine="torch", kind="dense", orders=["before", "after"]),
-    "torch_moe": dict(engine="torch", kind="moe"),
+    "torch_moe": dict(engine="torch", kind="moe", main_grad=True),
     # Megatron-style FP32 weight gradients (zrw.convert(main_grad=True)) on DTensor weights
     "hf_dense": dict(engine="hf", kind="dense", main_grad=True),
     "hf_moe_tp": dict(engine="hf", kind="moe"),
-    "hf_moe_ep": dict(engine="hf", kind="moe", ep=2),
+    "hf_moe_ep": dict(engine="hf", kind="moe", ep=2, main_grad=True),
     "hf_moe_ep_bf16": dict(engine="hf", kind="moe", ep=2, act="bf16"),
     # 4 ranks: 4 KV heads (a 32-row shard each), expert FFN 128 (32 per rank of each part)
     "hf_moe_ep4": dict(engine="hf", kind="moe", ep=4, kv_heads=4, experts=8),

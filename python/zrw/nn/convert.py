@@ -116,7 +116,8 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
                 new = MXLinear.from_linear(child, rcp, layer_release, release_frozen, main_grad,
                                            name=f"{name}.weight")
             else:
-                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name)
+                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name,
+                                     main_grad=main_grad)
             setattr(parent, cname, new)
             summary.converted.append(name)
             for pname, w in weights:

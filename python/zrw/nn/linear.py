@@ -162,6 +162,8 @@ def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: planes
     """The MXLinear GEMMs with the weight's planes `q` already looked up; `weight` is the
     tensor autograd hands the weight gradient (for a sharded weight, the view of its local
     shard) and `main_grad_owner` the parameter that accumulates main_grad (default: weight)."""
+    if main_grad and main_grad_owner is None:
+        main_grad_owner = parallel.main_grad_owner(weight)
     x2d = x.reshape(-1, x.shape[-1])
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
