@@ -264,6 +264,27 @@ def run_errors(args, world, rank):
     except RuntimeError as e:
         out["no_prepare"] = str(e)
     zrw.cache.cache_clear()
+    # Mid-step (weights released): state_dict() refuses with the weight's name; after
+    # restore_all("master") it returns the BF16 of the DTensor masters, shard by shard.
+    model = build("dense", heads=4, kv_heads=2, ffn=128, moe_ffn=64, experts=4)
+    zrw.convert(model, "mxfp8")
+    model = hf_plan(model, world, 1)
+    zrw.parallel.prepare(model)
+    opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters()))
+    ids = batches(1, 1)[0][0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        model.state_dict()
+        out["state_dict_mid_step"] = "no error"
+    except RuntimeError as e:
+        out["state_dict_mid_step"] = str(e)
+    zrw.cache.restore_all("master")
+    sd = model.state_dict()
+    name = "model.layers.0.self_attn.o_proj.weight"
+    master = opt.masters[0][[n for n, _ in model.named_parameters()].index(name)]
+    out["restored_equals_master"] = torch.equal(full(sd[name]), full(master).bfloat16().float())
+    opt.step()
+    zrw.cache.cache_clear()
     dist.barrier()
     return out
 
