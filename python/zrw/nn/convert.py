@@ -81,7 +81,13 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
 
     The parameters are kept (the same objects: optimizers that hold them still work, and the
     state_dict keys do not change). A weight shared by several modules (tied weights, found by
-    identity) is converted with release=False and never released. Returns a ConvertSummary.
+    identity) is converted with release=False and never released. `main_grad=True`
+    accumulates the weight gradients of the converted linears and expert stacks in FP32
+    `main_grad` (Megatron-style) instead of `.grad`. Returns a ConvertSummary.
+
+    Tensor / expert parallelism (zrw.parallel): convert before transformers' tp_plan / ep_plan
+    is applied (a module it already wraps is refused); with PyTorch's parallelize_module either
+    order works. A sharded weight's `release_bytes` are its local shard's.
     """
     rcp = get_recipe(recipe)
     skip = tuple(DEFAULT_SKIP if skip is None else skip)
