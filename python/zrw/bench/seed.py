@@ -268,6 +268,8 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
             "released_bytes": a["released_bytes"],
             "window_saving_bytes": window,
             "window_saving_vs_theory": window / theory if theory else None,
+            "window_peak_before_bytes": b["window_peak"],
+            "window_peak_after_bytes": a["window_peak"],
             "global_peak_before_bytes": glob_b,
             "global_peak_after_bytes": glob_a,
             "global_peak_phase": {
@@ -323,7 +325,8 @@ def print_config(r: dict) -> None:
     print(f"\n{r['config']}  {r['title']}")
     shape = ", ".join(f"{k} {v}" for k, v in s.items())
     print(f"  shapes: {shape}, vocab {VOCAB}{' (TINY, for tests)' if r['tiny'] else ''}")
-    print(f"  ranks: {r['world']} (gloo on CPU), TP={r['tp']}, EP={r['ep']}; "
+    ranks = "1 process" if r["world"] == 1 else f"{r['world']} gloo ranks on CPU"
+    print(f"  {ranks}, TP={r['tp']}, EP={r['ep']}; "
           f"{r['steps']} steps x {r['micro_batches']} micro-batches of {r['tokens_per_micro_batch']} "
           f"tokens; {r['seconds']:.0f} s")
     if r["layers_run"] < r["seed_layers"]:
@@ -338,12 +341,15 @@ def print_config(r: dict) -> None:
     rows = []
     for x in r["ranks"]:
         rows.append([x["rank"], f"{x['converted_params']:,}", _mib(x["theory_2N_bytes"]),
+                     f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
+                     f"{x['window_peak_after_bytes'] / MIB:,.1f}",
                      _mib(x["window_saving_bytes"]),
                      f"{100 * x['window_saving_vs_theory']:.2f}%",
                      f"{_mib(x['global_saving_bytes'])} ({x['global_peak_phase']['before']}"
                      f" -> {x['global_peak_phase']['after']})",
                      "yes" if x["losses_bitwise_equal"] else "NO"])
-    print_table("", ["rank", "converted params", "theory 2N", "window saving", "of theory",
+    print_table("", ["rank", "converted params", "theory 2N", "fwd/bwd peak MiB",
+                     "window saving", "of theory",
                      "global-peak saving (peak in)", "losses bitwise"], rows)
     seed = r["seed"]["saving_mib"]
     scaled = [x["scaled_window_saving_bytes"] / MIB for x in r["ranks"]]
