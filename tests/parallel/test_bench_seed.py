@@ -28,7 +28,8 @@ def test_bench_seed_tiny_json():
         for r in c["ranks"]:
             theory = r["theory_2N_bytes"]
             # every converted weight this rank holds: the per-layer formula times the layers
-            assert r["converted_params"] == r["converted_params_per_layer_formula"] * c["layers_run"]
+            per_layer = r["converted_params_per_layer_formula"]
+            assert r["converted_params"] == per_layer * c["layers_run"]
             assert theory == 2 * r["converted_params"]
             assert r["released_bytes"] == theory
             # the window saving is the released bytes (up to a few bytes of small transients)

@@ -24,9 +24,9 @@ release are bit for bit equal.
 
 Host memory: all ranks share the host. The model states are ~12 bytes per converted weight per
 rank (BF16 2, FP32 master 4, FP32 main_grad 4, FP8 copy 2); where the seed's layer count does not
-fit the budget (--mem-gib, default half of MemAvailable: the host is shared), fewer layers of the same shapes run and
-the figures are scaled per layer to the seed's count (the output says so). Shapes never shrink;
---tiny runs tiny shapes (for the tests).
+fit the budget (--mem-gib, default half of MemAvailable: the host is shared), fewer layers of
+the same shapes run and the figures are scaled per layer to the seed's count (the output says
+so). Shapes never shrink; --tiny runs tiny shapes (for the tests).
 """
 from __future__ import annotations
 
@@ -327,8 +327,8 @@ def print_config(r: dict) -> None:
     print(f"  shapes: {shape}, vocab {VOCAB}{' (TINY, for tests)' if r['tiny'] else ''}")
     ranks = "1 process" if r["world"] == 1 else f"{r['world']} gloo ranks on CPU"
     print(f"  {ranks}, TP={r['tp']}, EP={r['ep']}; "
-          f"{r['steps']} steps x {r['micro_batches']} micro-batches of {r['tokens_per_micro_batch']} "
-          f"tokens; {r['seconds']:.0f} s")
+          f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
+          f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s")
     if r["layers_run"] < r["seed_layers"]:
         print(f"  host memory: the seed's {r['seed_layers']} layers need ~"
               f"{r['host_estimate_full_bytes'] / 2**30:.1f} GiB for all ranks, over the budget of "
