@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from . import cache
+from .parallel import local_tensor, local_tensors
 
 _HOOKS_ATTR = "_zrw_boundary_hooks"
 
@@ -157,7 +158,7 @@ class MasterWeights(torch.optim.Optimizer):
     def _register_masters(self, start: int = 0) -> None:
         for group, masters in zip(self.param_groups[start:], self.masters[start:]):
             for p, m in zip(group["params"], masters):
-                cache.register_master(p, m)
+                cache.register_master(local_tensor(p), local_tensor(m))
 
     def _pull_hyperparameters(self) -> None:
         """inner -> outer: the hyper-parameters the inner optimizer filled in."""
@@ -206,8 +207,10 @@ class MasterWeights(torch.optim.Optimizer):
         keep_released, those of released parameters too (their masters hold their values,
         exactly: every parameter is bf16 of its master between steps). Without keep_released,
         released parameters keep theirs until the write-back restores them."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        masters = [m for ms in self.masters for m in ms]
+        # A DTensor parameter (tensor / expert parallelism): its local shard, and the local
+        # shard of its DTensor master.
+        params = local_tensors(p for g in self.param_groups for p in g["params"])
+        masters = local_tensors(m for ms in self.masters for m in ms)
         released_p, released_m = [], []
         for p, m, state in zip(params, masters, cache.cache_states(params)):
             if state == 1:
@@ -223,7 +226,10 @@ class MasterWeights(torch.optim.Optimizer):
         (keep_released) or are restored from it."""
         params = [p for g in self.param_groups for p in g["params"]]
         masters = [m for ms in self.masters for m in ms]
-        cache.assign_weights(params, masters, keep_released=self.keep_released)
+        # A DTensor parameter (tensor / expert parallelism): its local shard gets the local
+        # shard of its DTensor master.
+        cache.assign_weights(local_tensors(params), local_tensors(masters),
+                             keep_released=self.keep_released)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -382,7 +388,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     def pre_hook(opt, args, kwargs):
         _run_boundary_callbacks(opt)
         if not masters:
-            cache.restore_weights(_params_of(opt), fill)
+            cache.restore_weights(local_tensors(_params_of(opt)), fill)
         return _wrap_closure(args, kwargs)
 
     def post_hook(opt, args, kwargs):
@@ -401,7 +407,7 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     handles = getattr(optimizer, _HOOKS_ATTR, None)
     if handles is None:
         return
-    params = _params_of(optimizer)
+    params = local_tensors(_params_of(optimizer))
     mastered = [p for p, st in zip(params, cache.cache_states(params))
                 if st == 2 and cache.master_of(p) is not None]
     if mastered:
@@ -420,8 +426,8 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     params = [p for p in _params_of(optimizer) if p.grad is not None]
     if not params:
         return
-    states = cache.cache_states(params)
-    released = [p for p, st in zip(params, states) if st >= 2]
+    states = cache.cache_states(local_tensors(params))
+    released = [local_tensor(p) for p, st in zip(params, states) if st >= 2]
     if released:
         names = ", ".join(repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>")
                           for p in released[:8])

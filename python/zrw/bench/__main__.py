@@ -8,6 +8,7 @@ BENCHMARKS = {
     "cache": "zrw.bench.cache",
     "fsdp": "zrw.bench.fsdp",
     "step": "zrw.bench.step",
+    "seed": "zrw.bench.seed",
 }
 
 

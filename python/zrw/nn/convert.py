@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
+from .. import parallel
 from ..config import QuantRecipe, get_recipe
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
@@ -46,8 +47,29 @@ def _tied_weights(model: nn.Module) -> Dict[int, List[str]]:
 
 
 def _releasable(p: torch.Tensor) -> bool:
-    return (p.requires_grad and p.storage_offset() == 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+    local = parallel.local_tensor(p)  # a sharded weight releases its local shard
+    return (p.requires_grad and local.storage_offset() == 0
+            and local.untyped_storage().nbytes() == local.numel() * local.element_size())
+
+
+def is_zrw_layer(module: nn.Module) -> bool:
+    """A module that declares what it quantizes (`zrw_quantized`) and how (`recipe`)."""
+    return bool(getattr(module, "zrw_quantized", None)) and hasattr(module, "recipe")
+
+
+def _check_not_engine_wrapped(name: str, module: nn.Module) -> None:
+    """transformers' tp_plan / ep_plan replace a module's forward by a wrapper that closes over
+    the module itself; a converted replacement would silently lose the wrapper's collectives."""
+    if getattr(module, "_is_hooked", False):
+        raise RuntimeError(
+            f"zrw.convert: '{name}' ({type(module).__name__}) was already sharded by "
+            "transformers' tensor/expert-parallel plan: its forward is the engine's wrapper "
+            "around this very module, which a converted module cannot take over. Convert "
+            "before the plan is applied: build the model (its class or from_config, or "
+            "from_pretrained without distributed_config), call zrw.convert, then apply the "
+            "plan (zrw.parallel.apply_plan(model, DistributedConfig(...)), which runs "
+            "transformers' own engine) and zrw.parallel.prepare(model). (With PyTorch's "
+            "parallelize_module either order works.)")
 
 
 def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool = True,
@@ -59,7 +81,13 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
 
     The parameters are kept (the same objects: optimizers that hold them still work, and the
     state_dict keys do not change). A weight shared by several modules (tied weights, found by
-    identity) is converted with release=False and never released. Returns a ConvertSummary.
+    identity) is converted with release=False and never released. `main_grad=True`
+    accumulates the weight gradients of the converted linears and expert stacks in FP32
+    `main_grad` (Megatron-style) instead of `.grad`. Returns a ConvertSummary.
+
+    Tensor / expert parallelism (zrw.parallel): convert before transformers' tp_plan / ep_plan
+    is applied (a module it already wraps is refused); with PyTorch's parallelize_module either
+    order works. A sharded weight's `release_bytes` are its local shard's.
     """
     rcp = get_recipe(recipe)
     skip = tuple(DEFAULT_SKIP if skip is None else skip)
@@ -81,6 +109,7 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
             if hit is not None:
                 summary.skipped[name] = f"skipped (name matches {hit!r})"
                 continue
+            _check_not_engine_wrapped(name, child)
             # The replacement keeps the source's parameters: those it declares it quantizes.
             layer_cls = MXLinear if is_linear else MXFusedExperts
             weights = [(pname, getattr(child, pname)) for pname in layer_cls.zrw_quantized]
@@ -93,14 +122,16 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
                 new = MXLinear.from_linear(child, rcp, layer_release, release_frozen, main_grad,
                                            name=f"{name}.weight")
             else:
-                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name)
+                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name,
+                                     main_grad=main_grad)
             setattr(parent, cname, new)
             summary.converted.append(name)
             for pname, w in weights:
                 summary.parameters += 1
+                local = parallel.local_tensor(w)
                 if layer_release and (_releasable(w) or (release_frozen and not w.requires_grad
-                                                         and w.storage_offset() == 0)):
-                    summary.release_bytes += w.numel() * w.element_size()
+                                                         and local.storage_offset() == 0)):
+                    summary.release_bytes += local.numel() * local.element_size()
                     summary.released_weights.append(f"{name}.{pname}")
 
     visit(model, "")

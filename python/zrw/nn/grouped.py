@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import cache
+from .. import parallel
 from ..config import QuantRecipe, get_recipe
 from .linear import (NamedWeight, ReleasedWeightsStateDict, _weight_planes,
                      check_layer_args, restamp_names)
@@ -26,7 +27,8 @@ class _MXGroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, counts: Sequence[int], w_fwd: Tensor,
                 w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor,
-                elem_dtype: torch.dtype, scale_mode: str):
+                elem_dtype: torch.dtype, scale_mode: str,
+                main_grad_owner: Optional[Tensor] = None):
         E, N, K = weight.shape
         y = x.new_empty(x.shape[0], N)
         saved: List[Tensor] = []
@@ -45,6 +47,7 @@ class _MXGroupedFn(torch.autograd.Function):
         ctx.elem_dtype, ctx.scale_mode = elem_dtype, scale_mode
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.dtype, weight.dtype, weight.shape
         ctx.w_requires_grad = weight.requires_grad
+        ctx.main_grad_owner = main_grad_owner  # accumulate FP32 main_grad there instead of .grad
         return y
 
     @staticmethod
@@ -55,7 +58,9 @@ class _MXGroupedFn(torch.autograd.Function):
         dy = dy.contiguous()
         E, N, K = ctx.w_shape
         dx = dy.new_empty(dy.shape[0], K) if ctx.needs_input_grad[0] else None
-        dw = dy.new_zeros(ctx.w_shape, dtype=ctx.w_dtype) if ctx.w_requires_grad else None
+        owner = ctx.main_grad_owner
+        dw_dtype = ctx.w_dtype if owner is None else torch.float32
+        dw = dy.new_zeros(ctx.w_shape, dtype=dw_dtype) if ctx.w_requires_grad else None
         off = 0
         i = 0
         for e, c in enumerate(ctx.counts):
@@ -67,10 +72,19 @@ class _MXGroupedFn(torch.autograd.Function):
                                                 ctx.x_dtype)
             if dw is not None:
                 qx_m, sx_m = saved[i], saved[i + 1]
-                dw[e] = ops.mx_matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), ctx.w_dtype)
+                dw[e] = ops.mx_matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
             i += 2
             off += c
-        return dx, dw, None, None, None, None, None, None, None
+        if owner is not None and dw is not None:
+            # Megatron-style: the stack's FP32 gradient accumulates in owner.main_grad (for a
+            # sharded stack, a DTensor laid out like its parameter), no .grad.
+            g = parallel.wrap_like(owner, dw)
+            if getattr(owner, "main_grad", None) is None:
+                owner.main_grad = g
+            else:
+                owner.main_grad.add_(g)
+            dw = None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -109,13 +123,15 @@ def checked_counts(op: str, counts) -> List[int]:
 
 def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: QuantRecipe,
                       release: bool = True, release_frozen: bool = False,
-                      name: Optional[str] = None) -> Tensor:
+                      name: Optional[str] = None, main_grad: bool = False) -> Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T on MXFP8 operands.
 
     x: (T, K) bf16, fp16 or fp32, with its rows grouped by expert, counts[e] >= 0 rows for expert
     e (sum(counts) == T; Python ints or an integer tensor); weight: (E, N, K). `recipe` is a
     QuantRecipe or a registered name. Returns (T, N). `name` (for messages) defaults to the
-    weight's own (zrw.cache.set_weight_name).
+    weight's own (zrw.cache.set_weight_name). `main_grad=True` accumulates the stack's gradient
+    in FP32 into `weight.main_grad` instead of `.grad` (as Megatron does; zrw.convert's
+    main_grad).
     """
     op = "mx_grouped_linear"
     recipe = check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
@@ -131,9 +147,17 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
                          f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
+    if parallel.is_dtensor(weight):
+        raise TypeError(
+            f"{op}: expert stack '{shown}' is a DTensor ({weight.placements}) inside forward: "
+            "zrw runs an expert stack on the local shard the parallel engine hands its forward "
+            "(transformers' tp_plan / ep_plan: moe_tp_experts, ep_dispatch_experts); a DTensor "
+            "expert stack without such an engine style is not supported")
     q = _weight_planes(weight, recipe, release, release_frozen, name)
+    owner = parallel.main_grad_owner(weight) if main_grad else None
     return _MXGroupedFn.apply(x.contiguous(), weight, counts, q.fwd.data, q.fwd.scale,
-                              q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode)
+                              q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode,
+                              owner)
 
 
 class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
@@ -178,7 +202,8 @@ class MXFusedExperts(ReleasedWeightsStateDict, nn.Module):
     zrw_quantized = ("gate_up_proj", "down_proj")
 
     def __init__(self, source: nn.Module, recipe: str | QuantRecipe = "mxfp8",
-                 release: bool = True, release_frozen: bool = False, name: str = ""):
+                 release: bool = True, release_frozen: bool = False, name: str = "",
+                 main_grad: bool = False):
         super().__init__()
         if not is_fused_experts(source):
             raise TypeError(f"MXFusedExperts: {type(source).__name__} is not a fused-experts "
@@ -189,6 +214,7 @@ class MXFusedExperts(ReleasedWeightsStateDict, nn.Module):
         self.num_experts = self.gate_up_proj.shape[0]
         self.recipe = get_recipe(recipe)
         self.release, self.release_frozen = release, release_frozen
+        self.main_grad = main_grad
         # Each expert stack carries its name (see NamedWeight: read outside compiled regions).
         self.zrw_name = name
         restamp_names(self, self._stack_names())
@@ -215,12 +241,17 @@ class MXFusedExperts(ReleasedWeightsStateDict, nn.Module):
         n_routed = sum(counts)
         order, token_of = order[:n_routed], token_of[:n_routed]  # drops any index >= E
         x = hidden_states[token_of]
+        # The stacks as a parallel engine hands them (to_local() views of DTensors) carry no
+        # name of their own: pass the layer's, for zrw's messages.
+        names = (self._stack_names()
+                 if parallel.engine_view_owner(self.gate_up_proj) is not None else {})
+        main_grad = getattr(self, "main_grad", False)  # (modules pickled before it existed)
         gu = mx_grouped_linear(x, self.gate_up_proj, counts, self.recipe, self.release,
-                               self.release_frozen)
+                               self.release_frozen, names.get("gate_up_proj"), main_grad)
         gate, up = gu.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
         out = mx_grouped_linear(h, self.down_proj, counts, self.recipe, self.release,
-                                self.release_frozen)
+                                self.release_frozen, names.get("down_proj"), main_grad)
         out = out * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         final.index_add_(0, token_of, out.to(final.dtype))

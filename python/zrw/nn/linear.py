@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .. import parallel
 from .. import planes
 from .. import cache
 from ..config import QuantRecipe, get_recipe
@@ -31,14 +32,17 @@ class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Optional[Tensor], w_fwd: Tensor,
                 w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
-                scale_mode: str, main_grad: bool):
+                scale_mode: str, main_grad: bool, main_grad_owner: Optional[Tensor]):
         qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
         y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
         if bias is not None:
             y = y + bias
         ctx.gathered = weight if w_bwd is None else None
         ctx.save_for_backward(qx_m, sx_m, w_bwd, w_bwd_scale)
-        ctx.weight = weight if main_grad else None
+        # main_grad accumulates on the parameter itself (a DTensor's, when `weight` is the
+        # autograd view of its local shard).
+        owner = weight if main_grad_owner is None else main_grad_owner
+        ctx.weight = owner if main_grad else None
         ctx.has_bias = bias is not None
         ctx.elem_dtype, ctx.scale_mode, ctx.main_grad = elem_dtype, scale_mode, main_grad
         ctx.x_dtype, ctx.w_dtype = x2d.dtype, weight.dtype
@@ -61,7 +65,8 @@ class _MXLinearFn(torch.autograd.Function):
             if ctx.main_grad:
                 # Megatron-style: accumulate in FP32 into weight.main_grad, no .grad.
                 w = ctx.weight
-                g = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), torch.float32)
+                g = parallel.wrap_like(w, ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(),
+                                                        sx_m.t(), torch.float32))
                 if getattr(w, "main_grad", None) is None:
                     w.main_grad = g
                 else:
@@ -69,7 +74,7 @@ class _MXLinearFn(torch.autograd.Function):
             else:
                 dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), ctx.w_dtype)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_frozen: bool,
@@ -82,6 +87,11 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
         # re-gather: backward must read them from the weight then, never keep forward's.
         q = weight.mx_weight("fwd")
         return planes.MXWeight(q.recipe, q.fwd, planes.MXPlane(None, None))
+    owner = parallel.engine_view_owner(weight)
+    if owner is not None:
+        # A DTensor's local shard, handed to forward as a to_local() view by a parallel
+        # engine: the cache works on the local tensor the view shows.
+        return parallel.quant_engine_view(weight, owner, recipe, release, release_frozen, name)
     return cache.quant_and_release(weight, cache_recipe(recipe), release,
                                  release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                  scale_mode=recipe.scale_mode, name=name)
@@ -138,12 +148,27 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
         name = cache.weight_name(weight) if name is None else name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
+    if parallel.is_dtensor(weight):
+        # Sharded by a tensor-parallel engine: compute on this rank's local shard.
+        return parallel.dtensor_linear(x, weight, bias, recipe, release, release_frozen, name,
+                                       main_grad)
     q = _weight_planes(weight, recipe, release, release_frozen, name)
+    return apply_mx_linear(x, weight, bias, q, recipe, main_grad)
+
+
+def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: planes.MXWeight,
+                    recipe: QuantRecipe, main_grad: bool = False,
+                    main_grad_owner: Optional[Tensor] = None) -> Tensor:
+    """The MXLinear GEMMs with the weight's planes `q` already looked up; `weight` is the
+    tensor autograd hands the weight gradient (for a sharded weight, the view of its local
+    shard) and `main_grad_owner` the parameter that accumulates main_grad (default: weight)."""
+    if main_grad and main_grad_owner is None:
+        main_grad_owner = parallel.main_grad_owner(weight)
     x2d = x.reshape(-1, x.shape[-1])
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     y = _MXLinearFn.apply(x2d, weight, bias, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale,
-                          recipe.elem_dtype, recipe.scale_mode, main_grad)
+                          recipe.elem_dtype, recipe.scale_mode, main_grad, main_grad_owner)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -189,9 +214,11 @@ class ReleasedWeightsStateDict:
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
         params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
-        states = cache.cache_states([p for _, p in params])
-        released = [(n, p, cache.master_of(p)) for (n, p), st in zip(params, states) if st >= 2]
-        orphans = [p for _, p, m in released if m is None]
+        # A DTensor weight (tensor / expert parallelism): the cache holds its local shard.
+        states = cache.cache_states([parallel.local_tensor(p) for _, p in params])
+        released = [(n, p, cache.master_of(parallel.local_tensor(p)))
+                    for (n, p), st in zip(params, states) if st >= 2]
+        orphans = [parallel.local_tensor(p) for _, p, m in released if m is None]
         if orphans:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
             raise RuntimeError(
@@ -204,8 +231,8 @@ class ReleasedWeightsStateDict:
                 "dequantization where no master exists)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n, p, m in released:
-            with torch.no_grad():
-                destination[prefix + n] = m.detach().to(p.dtype, copy=True)
+            with torch.no_grad():  # a DTensor weight gets a DTensor laid out as it is
+                destination[prefix + n] = parallel.wrap_like(p, m.detach().to(p.dtype, copy=True))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -216,7 +243,7 @@ class ReleasedWeightsStateDict:
                                                  missing_keys, unexpected_keys, error_msgs)
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
         params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
-        states = cache.cache_states([p for _, p in params])
+        states = cache.cache_states([parallel.local_tensor(p) for _, p in params])
         held = {}  # released weights: loaded here, hidden from nn.Module's copy_
         for (n, p), st in zip(params, states):
             if st == 2 and prefix + n in state_dict:
@@ -250,6 +277,18 @@ class ReleasedWeightsStateDict:
                                   f"{tuple(value.shape)} from checkpoint, the shape in current "
                                   f"model is {tuple(p.shape)}.")
                 continue
+            if parallel.is_dtensor(p):
+                # The rank's shard of the loaded value: a DTensor laid out as the weight.
+                if (not parallel.is_dtensor(value) or value.placements != p.placements
+                        or value.device_mesh != p.device_mesh):
+                    error_msgs.append(
+                        f"zrw: {key} is a released DTensor weight of placements "
+                        f"{p.placements}; load a state dict of DTensors with the same "
+                        f"placements, or call zrw.cache.restore_all('master') first, got "
+                        f"{type(value).__name__}"
+                        f"{' ' + str(value.placements) if parallel.is_dtensor(value) else ''}")
+                    continue
+                value, p = value.to_local(), parallel.local_tensor(p)
             master = cache.master_of(p)
             with torch.no_grad():
                 if master is None:
@@ -261,6 +300,7 @@ class ReleasedWeightsStateDict:
         for (n, p), st in zip(params, states):
             if n in held or prefix + n not in state_dict:
                 continue
+            p = parallel.local_tensor(p)
             master = cache.master_of(p)
             if master is not None:
                 with torch.no_grad():
@@ -321,8 +361,10 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
+        # A sharded weight is a new Parameter (the engine's DTensor) without the layer's name.
+        name = self.zrw_name if parallel.is_dtensor(self.weight) else None
         return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
-                         self.release_frozen, None, self.main_grad)
+                         self.release_frozen, name, self.main_grad)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")

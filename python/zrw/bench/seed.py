@@ -1,0 +1,414 @@
+"""`python -m zrw.bench seed`: the seed's memory table, reproduced per rank.
+
+The seed (zero_redundancy_weight_design.txt §5) measured the zero-redundancy saving in three runs:
+  5.1  Qwen3-32B, 2 layers, one card                      1,860.25 MiB saved
+  5.2  Qwen3-32B, 6 layers, tensor parallel TP=4          1,402.5 MiB per card
+  5.3  Qwen3-30B-A3B (MoE), 2 layers, expert parallel EP=2, 8 experts per card   848 MiB per card
+This benchmark builds, with transformers model classes and random init, the model slice each card
+holds in those runs, with the real shapes (Qwen3-32B: hidden 5120, 64 heads / 8 KV heads of dim
+128, FFN 25600; Qwen3-30B-A3B: hidden 2048, 32 heads / 4 KV heads of dim 128, expert FFN 768,
+top-8 routing) and a small vocabulary (embeddings and the head are not converted). TP and EP run
+on real process groups (gloo ranks spawned here) through transformers' own engine
+(DistributedConfig(tp_size=4); DistributedConfig(ep_size=2, tp_size=2): transformers requires
+ep_size to divide fsdp_size x tp_size, so at EP=2 on 2 ranks the attention runs at TP=2).
+
+Each rank trains 2 steps x 2 micro-batches twice, in one process: MXFP8 with the FP8 cache but
+no release ("before") and zero-redundancy ("after"), Megatron-style (zrw.convert(...,
+main_grad=True): weight gradients accumulate in FP32 main_grad) under MasterWeights(SGD) (FP32
+masters; no moments, to fit host memory: the release does not depend on the optimizer's state).
+zrw.memory's counting allocator gives the peak live bytes of the forward/backward window (first
+forward to the optimizer pre-hook) and of the optimizer step of the last step; the saving is
+"before" minus "after". Per rank it prints the converted parameters it holds, the theory 2N, the
+measured window and global-peak savings, the seed's figure, and whether the losses with and without
+release are bit for bit equal.
+
+Host memory: all ranks share the host. The model states are ~12 bytes per converted weight per
+rank (BF16 2, FP32 master 4, FP32 main_grad 4, FP8 copy 2); where the seed's layer count does not
+fit the budget (--mem-gib, default half of MemAvailable: the host is shared), fewer layers of
+the same shapes run and the figures are scaled per layer to the seed's count (the output says
+so). Shapes never shrink; --tiny runs tiny shapes (for the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field, asdict
+from typing import Dict, List, Optional
+
+import torch
+
+MIB = 2 ** 20
+
+# The seed's figures (max_allocated in MB as printed by torch.npu: MiB).
+SEED_RUNS = {
+    "5.1": dict(title="Qwen3-32B, 2 layers, one card", kind="dense", layers=2, world=1, tp=1,
+                ep=1, seed_before=57307.43, seed_after=55447.18),
+    "5.2": dict(title="Qwen3-32B, 6 layers, TP=4 (transformers tp_plan)", kind="dense",
+                layers=6, world=4, tp=4, ep=1, seed_before=26426.90, seed_after=25024.40),
+    "5.3": dict(title="Qwen3-30B-A3B, 2 layers, EP=2 x 8 experts per card (transformers "
+                "ep_plan; attention at TP=2)", kind="moe", layers=2, world=2, tp=2, ep=2,
+                seed_before=41519.62, seed_after=40671.62),
+}
+DENSE_32B = dict(hidden=5120, heads=64, kv_heads=8, head_dim=128, ffn=25600)
+MOE_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, moe_ffn=768,
+               experts=16, top_k=8)  # 16 experts: 8 per card at EP=2
+TINY_DENSE = dict(hidden=64, heads=4, kv_heads=4, head_dim=32, ffn=128)
+TINY_MOE = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, moe_ffn=64, experts=4,
+                top_k=2)
+VOCAB = 512
+STATE_BYTES = 12.1   # per converted weight per rank: bf16 2 + master 4 + main_grad 4 + fp8 2.1
+PROCESS_BYTES = 0.7 * 2 ** 30  # a rank's own footprint (torch, transformers, gloo)
+
+
+def shapes(kind: str, tiny: bool) -> dict:
+    if kind == "dense":
+        return dict(TINY_DENSE if tiny else DENSE_32B)
+    return dict(TINY_MOE if tiny else MOE_30B)
+
+
+def converted_per_layer(kind: str, s: dict, tp: int, ep: int) -> int:
+    """Weights per layer on one rank that zrw converts: attention (q, k, v, o) sharded over
+    TP, and the MLP (dense: gate, up, down over TP; MoE: the rank's experts)."""
+    h, qd, kvd = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    attn = (h * qd + 2 * h * kvd + qd * h) // tp
+    if kind == "dense":
+        return attn + 3 * h * s["ffn"] // tp
+    return attn + (s["experts"] // ep) * 3 * h * s["moe_ffn"]
+
+
+def build(kind: str, s: dict, layers: int, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=s["hidden"], num_hidden_layers=layers,
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                  head_dim=s["head_dim"], intermediate_size=s["ffn"],
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+    if kind == "dense":
+        cls, cfg = Qwen3ForCausalLM, Qwen3Config(**common)
+    else:
+        cls, cfg = Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            moe_intermediate_size=s["moe_ffn"], num_experts=s["experts"],
+            num_experts_per_tok=s["top_k"], decoder_sparse_step=1, norm_topk_prob=True,
+            **common)
+    torch.manual_seed(seed)
+    # Built in BF16 directly (no FP32 transient), as from_config(dtype=...) does.
+    return cls._from_config(cfg, dtype=torch.bfloat16).train()
+
+
+@dataclass
+class ModeResult:
+    losses: List[float] = field(default_factory=list)
+    window_peak: int = 0
+    optimizer_peak: int = 0
+    released_bytes: int = 0
+
+
+def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (ModeResult, dict):
+    import torch.distributed as dist
+
+    import zrw
+    from zrw import cache, memory
+    from zrw.optim import MasterWeights, attach
+
+    model = build(run["kind"], s, layers)
+    summary = zrw.convert(model, "mxfp8", release=(mode == "after"), main_grad=True)
+    if run["world"] > 1:
+        from transformers.distributed import DistributedConfig
+
+        kw = {"tp_size": run["tp"]}
+        if run["ep"] > 1:
+            kw["ep_size"] = run["ep"]
+        model = zrw.parallel.apply_plan(model, DistributedConfig(**kw))
+    psum = zrw.parallel.prepare(model)
+    opt = MasterWeights(torch.optim.SGD, model.parameters(), lr=1e-4)
+    res = ModeResult()
+    marks: Dict[str, int] = {}
+
+    def window_end(o, a, k):  # before zrw's boundary touches anything
+        marks["window"] = memory.peak()
+        marks["released"] = cache.cache_stats()["released_bytes"]
+
+    opt.register_step_pre_hook(window_end)
+    attach(opt)
+
+    def step_start(o, a, k):
+        memory.reset_peak()
+
+    opt.register_step_pre_hook(step_start)
+    opt.register_step_post_hook(lambda o, a, k: marks.__setitem__("opt", memory.peak()))
+    g = torch.Generator().manual_seed(1)
+    data = [[torch.randint(0, VOCAB, (1, args["tokens"]), generator=g)
+             for _ in range(args["micro_batches"])] for _ in range(args["steps"])]
+    for step in data:
+        if run["world"] > 1:
+            dist.barrier()
+        memory.reset_peak()
+        for ids in step:
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / len(step)).backward()
+            res.losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    # the last step's figures (the first one also allocates what later steps reuse)
+    res.window_peak, res.optimizer_peak = marks["window"], marks["opt"]
+    res.released_bytes = marks["released"]
+    info = {"local_elements": psum.local_elements, "converted_modules": len(summary.converted)}
+    del model, opt
+    cache.cache_clear()
+    return res, info
+
+
+def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out: str) -> None:
+    import gc
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, args["threads"] // run["world"]))
+    world = run["world"]
+    if world > 1:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    import transformers
+
+    import zrw
+    from zrw import memory
+
+    transformers.logging.set_verbosity_error()
+    memory.install()  # before any model exists: every allocation and free is counted
+    results, info = {}, None
+    for mode in ("before", "after"):
+        results[mode], info = _train_mode(mode, run, s, layers, args)
+        gc.collect()
+    mine = {"rank": rank, "before": asdict(results["before"]), "after": asdict(results["after"]),
+            **info}
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        dist.destroy_process_group()
+    else:
+        gathered = [mine]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    del zrw
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2 ** 30
+
+
+def plan_layers(run: dict, s: dict, budget: int, requested: Optional[int]) -> (int, int):
+    """(layers to run, estimated host bytes for them): the seed's count, or as many as the
+    budget holds (at least one: shapes are never shrunk)."""
+    per_layer = converted_per_layer(run["kind"], s, run["tp"], run["ep"]) * STATE_BYTES
+    fixed = run["world"] * PROCESS_BYTES
+    if requested is not None:
+        layers = max(1, min(requested, run["layers"]))
+    else:
+        fit = int((budget - fixed) // (per_layer * run["world"])) if budget > fixed else 0
+        layers = max(1, min(run["layers"], fit))
+    return layers, int(fixed + layers * per_layer * run["world"])
+
+
+def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
+               layers: Optional[int] = None, tokens: int = 64, micro_batches: int = 2,
+               steps: int = 2, threads: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    run = SEED_RUNS[name]
+    s = shapes(run["kind"], tiny)
+    budget = int(0.5 * mem_available()) if budget is None else budget
+    n_layers, estimate = plan_layers(run, s, budget, layers)
+    args = {"tokens": tokens, "micro_batches": micro_batches, "steps": steps, "threads": threads}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ranks.json")
+        mp.spawn(_rank, args=(run, s, n_layers, args, _free_port(), out), nprocs=run["world"],
+                 join=True)
+        with open(out) as f:
+            ranks = json.load(f)
+    seconds = time.perf_counter() - t0
+    scale = run["layers"] / n_layers
+    seed_saving = (run["seed_before"] - run["seed_after"]) * MIB
+    per_layer = converted_per_layer(run["kind"], s, run["tp"], run["ep"])
+    rows = []
+    for r in ranks:
+        b, a = r["before"], r["after"]
+        theory = 2 * r["local_elements"]
+        window = b["window_peak"] - a["window_peak"]
+        glob_b = max(b["window_peak"], b["optimizer_peak"])
+        glob_a = max(a["window_peak"], a["optimizer_peak"])
+        rows.append({
+            "rank": r["rank"],
+            "converted_params": r["local_elements"],
+            "converted_params_per_layer_formula": per_layer,
+            "theory_2N_bytes": theory,
+            "released_bytes": a["released_bytes"],
+            "window_saving_bytes": window,
+            "window_saving_vs_theory": window / theory if theory else None,
+            "window_peak_before_bytes": b["window_peak"],
+            "window_peak_after_bytes": a["window_peak"],
+            "global_peak_before_bytes": glob_b,
+            "global_peak_after_bytes": glob_a,
+            "global_peak_phase": {
+                "before": "fwd/bwd" if b["window_peak"] >= b["optimizer_peak"] else "optimizer",
+                "after": "fwd/bwd" if a["window_peak"] >= a["optimizer_peak"] else "optimizer"},
+            "global_saving_bytes": glob_b - glob_a,
+            "scaled_theory_bytes": theory * scale,
+            "scaled_window_saving_bytes": window * scale,
+            "scaled_global_saving_bytes": (glob_b - glob_a) * scale,
+            "seed_saving_bytes": seed_saving,
+            "scaled_window_saving_vs_seed": window * scale / seed_saving,
+            "losses_before": b["losses"], "losses_after": a["losses"],
+            "losses_bitwise_equal": b["losses"] == a["losses"],
+        })
+    return {"config": name, "title": run["title"], "tiny": tiny, "shapes": s,
+            "world": run["world"], "tp": run["tp"], "ep": run["ep"],
+            "seed_layers": run["layers"], "layers_run": n_layers, "scale": scale,
+            "host_budget_bytes": budget, "host_estimate_bytes": estimate,
+            "host_estimate_full_bytes": plan_layers(run, s, budget, run["layers"])[1],
+            "tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "steps": steps,
+            "seconds": seconds, "seed": {"before_mib": run["seed_before"],
+                                         "after_mib": run["seed_after"],
+                                         "saving_mib": seed_saving / MIB},
+            "moe_explanation": moe_explanation(s) if run["kind"] == "moe" and not tiny else None,
+            "ranks": rows}
+
+
+def moe_explanation(s: dict) -> dict:
+    """Why 5.3's saving is not the seed's 848 MiB: what the Qwen3-30B-A3B shapes give."""
+    h, qd, kvd = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    attn = h * qd + 2 * h * kvd + qd * h
+    expert = 3 * h * s["moe_ffn"]
+    seed_weights = (SEED_RUNS["5.3"]["seed_before"] - SEED_RUNS["5.3"]["seed_after"]) * MIB / 2
+    layers = SEED_RUNS["5.3"]["layers"]
+    return {
+        "attention_per_layer": attn, "expert": expert,
+        "8_experts_attention_replicated_mib": 2 * layers * (attn + 8 * expert) / MIB,
+        "8_experts_attention_tp2_mib": 2 * layers * (attn // 2 + 8 * expert) / MIB,
+        "64_experts_attention_replicated_mib": 2 * layers * (attn + 64 * expert) / MIB,
+        "seed_saving_as_weights": seed_weights,
+        "experts_per_layer_for_seed_attention_replicated": (seed_weights / layers - attn) / expert,
+    }
+
+
+def _mib(b: float) -> str:
+    return f"{b / MIB:,.1f} MiB"
+
+
+def print_config(r: dict) -> None:
+    from zrw.bench._timing import print_table
+
+    s = r["shapes"]
+    print(f"\n{r['config']}  {r['title']}")
+    shape = ", ".join(f"{k} {v}" for k, v in s.items())
+    print(f"  shapes: {shape}, vocab {VOCAB}{' (TINY, for tests)' if r['tiny'] else ''}")
+    ranks = "1 process" if r["world"] == 1 else f"{r['world']} gloo ranks on CPU"
+    print(f"  {ranks}, TP={r['tp']}, EP={r['ep']}; "
+          f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
+          f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s")
+    if r["layers_run"] < r["seed_layers"]:
+        print(f"  host memory: the seed's {r['seed_layers']} layers need ~"
+              f"{r['host_estimate_full_bytes'] / 2**30:.1f} GiB for all ranks, over the budget of "
+              f"{r['host_budget_bytes'] / 2**30:.1f} GiB: ran {r['layers_run']} layer(s) of the "
+              f"same shapes (~{r['host_estimate_bytes'] / 2**30:.1f} GiB); the scaled figures "
+              f"are x{r['scale']:g} per layer")
+    else:
+        print(f"  layers: {r['layers_run']}, as in the seed (~"
+              f"{r['host_estimate_bytes'] / 2**30:.1f} GiB for all ranks)")
+    rows = []
+    for x in r["ranks"]:
+        rows.append([x["rank"], f"{x['converted_params']:,}", _mib(x["theory_2N_bytes"]),
+                     f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
+                     f"{x['window_peak_after_bytes'] / MIB:,.1f}",
+                     _mib(x["window_saving_bytes"]),
+                     f"{100 * x['window_saving_vs_theory']:.2f}%",
+                     f"{_mib(x['global_saving_bytes'])} ({x['global_peak_phase']['before']}"
+                     f" -> {x['global_peak_phase']['after']})",
+                     "yes" if x["losses_bitwise_equal"] else "NO"])
+    print_table("", ["rank", "converted params", "theory 2N", "fwd/bwd peak MiB",
+                     "window saving", "of theory",
+                     "global-peak saving (peak in)", "losses bitwise"], rows)
+    seed = r["seed"]["saving_mib"]
+    scaled = [x["scaled_window_saving_bytes"] / MIB for x in r["ranks"]]
+    theory = [x["scaled_theory_bytes"] / MIB for x in r["ranks"]]
+    glob = [x["scaled_global_saving_bytes"] / MIB for x in r["ranks"]]
+    what = f"scaled to the seed's {r['seed_layers']} layers" if r["scale"] != 1 else \
+        f"{r['seed_layers']} layers"
+    print(f"  per card, {what}: theory 2N {theory[0]:,.1f} MiB; measured window saving "
+          + ", ".join(f"{v:,.1f}" for v in scaled) + " MiB; global-peak saving "
+          + ", ".join(f"{v:,.1f}" for v in glob) + " MiB")
+    if r["tiny"]:
+        print(f"  (tiny shapes: not comparable with the seed's {seed:,.2f} MiB)")
+    else:
+        print(f"  the seed measured {seed:,.2f} MiB per card ({r['seed']['before_mib']:,.2f} -> "
+              f"{r['seed']['after_mib']:,.2f}); zrw's window saving vs the seed: "
+              + ", ".join(f"{100 * (v / seed - 1):+.2f}%" for v in scaled))
+    e = r.get("moe_explanation")
+    if e:
+        print(f"  why not the seed's 848 MiB: with these shapes attention is "
+              f"{e['attention_per_layer'] / 1e6:.2f} M weights per layer and one expert "
+              f"{e['expert'] / 1e6:.2f} M; 2 layers with 8 experts per card give "
+              f"{e['8_experts_attention_tp2_mib']:,.1f} MiB with attention at TP=2 (this run) and "
+              f"{e['8_experts_attention_replicated_mib']:,.1f} MiB with attention replicated; "
+              f"848 MiB would be {e['seed_saving_as_weights'] / 1e6:.1f} M BF16 weights, i.e. "
+              f"{e['experts_per_layer_for_seed_attention_replicated']:.1f} experts per layer "
+              f"(not a whole number; the released model's 128 experts over EP=2, 64 per card, "
+              f"would give {e['64_experts_attention_replicated_mib']:,.1f} MiB). The seed's "
+              "exact config is not recoverable from its text; zrw's saving equals the theory "
+              "for the config it ran")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m zrw.bench seed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="all", help="5.1, 5.2, 5.3, a comma-separated list, or all")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers to run (default: the seed's, or as many as --mem-gib holds)")
+    p.add_argument("--mem-gib", type=float, default=None,
+                   help="host memory for all ranks together (default: half of MemAvailable)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads shared by the ranks")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (the tests' run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = p.parse_args(argv)
+    names = list(SEED_RUNS) if args.config == "all" else args.config.split(",")
+    for n in names:
+        if n not in SEED_RUNS:
+            p.error(f"--config must be 5.1, 5.2, 5.3 or all, got {n!r}")
+    budget = None if args.mem_gib is None else int(args.mem_gib * 2 ** 30)
+    results = [run_config(n, args.tiny, budget, args.layers, args.tokens, args.micro_batches,
+                          args.steps, args.threads) for n in names]
+    if args.json:
+        print(json.dumps({"configs": results}))
+        return
+    import zrw
+
+    print(f"zrw {zrw.__version__}: the seed's zero-redundancy memory table, per rank "
+          f"(CPU, gloo ranks, zrw.memory's counting allocator; kernel ISA {zrw._C.cpu_isa()})")
+    for r in results:
+        print_config(r)

@@ -1,0 +1,41 @@
+"""`python -m zrw.bench seed` end to end at tiny shapes (the full-size run is not a test: it
+needs several GiB and minutes; its table is in the README). The seed's three configurations,
+on their real rank counts (1; TP=4; EP=2 with TP=2), gloo ranks spawned by the benchmark."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+
+def test_bench_seed_tiny_json():
+    out = subprocess.run([sys.executable, "-m", "zrw.bench", "seed", "--tiny", "--tokens", "32",
+                          "--json"], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    configs = {c["config"]: c for c in res["configs"]}
+    assert sorted(configs) == ["5.1", "5.2", "5.3"]
+    expect_world = {"5.1": 1, "5.2": 4, "5.3": 2}
+    for name, c in configs.items():
+        assert c["tiny"] and c["world"] == expect_world[name]
+        assert c["layers_run"] == c["seed_layers"] and c["scale"] == 1  # tiny: all layers fit
+        assert len(c["ranks"]) == c["world"]
+        for r in c["ranks"]:
+            theory = r["theory_2N_bytes"]
+            # every converted weight this rank holds: the per-layer formula times the layers
+            per_layer = r["converted_params_per_layer_formula"]
+            assert r["converted_params"] == per_layer * c["layers_run"]
+            assert theory == 2 * r["converted_params"]
+            assert r["released_bytes"] == theory
+            # the window saving is the released bytes (up to a few bytes of small transients)
+            assert abs(r["window_saving_bytes"] - theory) <= max(64, theory // 100), r
+            assert r["global_saving_bytes"] > 0
+            assert r["losses_bitwise_equal"] and len(r["losses_after"]) == 4
+    # TP=4 splits the layer's weights in four; EP=2 gives each rank half the experts
+    assert configs["5.2"]["ranks"][0]["converted_params"] == \
+        configs["5.1"]["ranks"][0]["converted_params"] * 6 // 2 // 4
