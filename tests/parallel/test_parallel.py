@@ -154,6 +154,5 @@ def test_refusals_name_the_weight_and_the_fix(two_ranks):
     msg = err["no_prepare"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in msg
     assert "zrw.parallel.prepare(model)" in msg
-    msg = err["state_dict_mid_step"]
-    assert "state_dict()" in msg and "self_attn.q_proj.weight" in msg and "restore_all" in msg
+    assert err["state_dict_mid_step"] is True  # materialized from the DTensor masters
     assert err["restored_equals_master"]
