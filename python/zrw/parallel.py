@@ -158,8 +158,8 @@ def check_placements(w: Tensor, name: str) -> None:
         raise ValueError(
             f"zrw: weight '{name}' is a DTensor on a {mesh.ndim}-d device mesh "
             f"{tuple(mesh.shape)} with placements {w.placements}: zrw's layers compute on the "
-            "local shard of a 1-d (tensor- or expert-parallel) mesh; combine TP/EP with data "
-            "parallelism through zrw.fsdp (FSDP2) or DDP on the other mesh dimension")
+            "local shard of a 1-d (tensor- or expert-parallel) mesh; weights sharded over 2-d "
+            "meshes (e.g. FSDP2 x TP) are not supported yet")
     (p,) = w.placements
     if p.is_partial():
         raise ValueError(f"zrw: weight '{name}' has placement {p}: a weight must be sharded "

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 TWO_RANK = ["torch_dense", "torch_moe", "hf_dense", "hf_moe_tp", "hf_moe_ep", "hf_moe_ep_bf16",
             "errors"]
-FOUR_RANK = ["hf_moe_ep4"]
+FOUR_RANK = ["hf_moe_ep4", "torch_dense_tp4"]
 LR, STEPS = 1e-2, 3  # tp_worker's AdamW learning rate and steps
 
 
@@ -132,13 +132,16 @@ def test_two_ranks(two_ranks, case):
         assert all(torch.equal(after["weights"][n], w) for n, w in out["on"]["weights"].items())
 
 
-def test_four_ranks_tp_and_ep(four_ranks):
-    # Qwen3-MoE on 4 ranks: attention TP=4 (one 32-row KV shard per rank), 8 experts at EP=4.
-    out = four_ranks["hf_moe_ep4"]
+@pytest.mark.parametrize("case", FOUR_RANK)
+def test_four_ranks(four_ranks, case):
+    # Qwen3-MoE under transformers' engine: attention TP=4 (one 32-row KV shard per rank), 8
+    # experts at EP=4; Qwen3 under parallelize_module at TP=4.
+    out = four_ranks[case]
     assert len(out["on"]["per_rank"]) == 4
     check_release_is_exact(out)
     check_matches_unsharded(out, rtol=1e-5)
-    check_experts_without_tokens(out)
+    if "moe" in case:
+        check_experts_without_tokens(out)
 
 
 def test_refusals_name_the_weight_and_the_fix(two_ranks):

@@ -302,6 +302,7 @@ CASES = {
     "hf_moe_ep_bf16": dict(engine="hf", kind="moe", ep=2, act="bf16"),
     # 4 ranks: 4 KV heads (a 32-row shard each), expert FFN 128 (32 per rank of each part)
     "hf_moe_ep4": dict(engine="hf", kind="moe", ep=4, kv_heads=4, experts=8),
+    "torch_dense_tp4": dict(engine="torch", kind="dense", kv_heads=4),
 }
 
 
