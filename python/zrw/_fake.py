@@ -108,6 +108,11 @@ def _(w, elem_dtype, scale_mode):
     _check_weight_rank(op, w)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
+    return _dual_outputs(w, elem_dtype)
+
+
+def _dual_outputs(w, elem_dtype):
+    """The dual-axis outputs for a weight of w's shape: data and scales along K, then along N."""
     nd = w.dim()
     return (
         w.new_empty(w.shape, dtype=elem_dtype),
@@ -117,6 +122,13 @@ def _(w, elem_dtype, scale_mode):
     )
 
 
+def _block_outputs(w, elem_dtype):
+    """The 32x32 outputs for a weight of w's shape: data and one scale per tile."""
+    nd = w.dim()
+    bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
+    return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=torch.float8_e8m0fnu)
+
+
 @torch.library.register_fake("zrw::mx_quantize_block")
 def _(w, elem_dtype, scale_mode):
     op = "zrw.mx_quantize_block"
@@ -124,9 +136,7 @@ def _(w, elem_dtype, scale_mode):
     _check_weight_rank(op, w)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    nd = w.dim()
-    bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
-    return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=torch.float8_e8m0fnu)
+    return _block_outputs(w, elem_dtype)
 
 
 # The *_from_master ops: an FP32 master quantized as its bf16/fp16 parameter; the outputs are
@@ -174,13 +184,7 @@ def _(master, param_dtype, elem_dtype, scale_mode):
     _check_param_dtype(op, param_dtype)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    nd = master.dim()
-    return (
-        master.new_empty(master.shape, dtype=elem_dtype),
-        master.new_empty(_scale_shape(master.shape, nd - 1), dtype=torch.float8_e8m0fnu),
-        master.new_empty(master.shape, dtype=elem_dtype),
-        master.new_empty(_scale_shape(master.shape, nd - 2), dtype=torch.float8_e8m0fnu),
-    )
+    return _dual_outputs(master, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_quantize_block_from_master")
@@ -191,10 +195,7 @@ def _(master, param_dtype, elem_dtype, scale_mode):
     _check_param_dtype(op, param_dtype)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    nd = master.dim()
-    bshape = _scale_shape(_scale_shape(master.shape, nd - 1), nd - 2)
-    return (master.new_empty(master.shape, dtype=elem_dtype),
-            master.new_empty(bshape, dtype=torch.float8_e8m0fnu))
+    return _block_outputs(master, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_dequantize")
