@@ -373,3 +373,36 @@ def test_bad_arguments_are_named():
     assert cache.is_released(w) and cache.cache_stats()["fp8_bytes"] > 0  # nothing changed
     with pytest.raises(TypeError, match="keep_released must be a bool"):
         cache.assign_weights([w], [torch.zeros(64, 64)], keep_released=1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_failed_quantization_from_the_master_loses_nothing(recipe):
+    """Out of memory while a released weight is quantized from its master (its first use after
+    the step): the error propagates, the weight stays released with its master, and both a
+    retry and a restore give the exact values."""
+    memory.install()
+    w = torch.nn.Parameter(torch.randn(256, 256).to(BF16))
+    cache.set_weight_name(w, "w")
+    opt = attach(MasterWeights(torch.optim.SGD, [w], lr=0.1))
+    cache.quant_and_release(w, recipe)
+    w.grad = torch.ones(256, 256, dtype=BF16)
+    opt.step()
+    master = opt.masters[0][0]
+    assert cache.cache_stats()["pending"] == 1
+    with memory.fail_allocations(min_bytes=256 * 256, count=1):
+        with pytest.raises(torch.OutOfMemoryError):
+            cache.quant_and_release(w, recipe)
+    assert cache.is_released(w) and cache.master_of(w) is master
+    assert cache.cache_stats()["pending"] == 1 and cache.cache_stats()["restored"] == 0
+    q = cache.quant_and_release(w, recipe)  # the retry quantizes the master's values
+    bf16 = master.to(BF16)
+    ref = (zrw.ops.mx_quantize_dual(bf16) if recipe == "mxfp8"
+           else zrw.ops.mx_quantize_block(bf16))
+    assert torch.equal(q.fwd.data.view(torch.uint8), ref[0].view(torch.uint8))
+    # Out of memory in the restore that leaves the mode: nothing changes, the retry is exact.
+    with memory.fail_allocations(min_bytes=256 * 256, count=1):
+        with pytest.raises(RuntimeError, match="'w': .*injected allocation failure"):
+            cache.restore_all("master")
+    assert cache.is_released(w)
+    cache.restore_all("master")
+    assert torch.equal(w.detach(), master.to(BF16))
