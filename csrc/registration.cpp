@@ -48,7 +48,9 @@ TORCH_LIBRARY(zrw, m) {
   m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False) -> int");
   // The FP32 master a released weight's entry holds (keep_released), or None.
   m.def("cache_master(Tensor w) -> Tensor?");
-  m.def("restore_all(str fill) -> int");
+  // skip: weights left as they are (zrw.cache.restore_all("master") passes those whose
+  // restore from their master failed, so that no lossy fill reaches them).
+  m.def("restore_all(str fill, Tensor[] skip) -> int");
   m.def("cache_invalidate(Tensor w, str fill) -> bool");
   m.def("cache_clear(str fill) -> ()");
   m.def("next_step() -> ()");

@@ -412,3 +412,20 @@ def test_cache_invalidate_with_master_fill():
         cache.cache_invalidate(v, "master")
     assert cache.is_released(v)
     cache.restore(v, "dequant")
+
+
+def test_restore_all_master_never_falls_back_to_dequant_for_a_weight_with_a_master():
+    # The restore from the master fails (out of memory): the weight stays released with its
+    # FP8 copy, rather than being handed to the dequantizing pass for the master-less weights
+    # (lossy); a retry restores it exactly.
+    w = param(256, 256, seed=7)
+    opt = MasterWeights(torch.optim.AdamW, [w], lr=1e-3, keep_released=False)
+    with torch.no_grad():
+        opt.masters[0][0].add_(1e-3)  # so that the dequantized copy and the master differ
+    cache.quant_and_release(w, name="w")
+    with zrw.memory.fail_allocations(min_bytes=256 * 256, count=1):
+        with pytest.raises(RuntimeError, match="'w': .*injected allocation failure"):
+            cache.restore_all("master")
+    assert cache.is_released(w) and cache.cache_stats()["fp8_bytes"] > 0
+    assert cache.restore_all("master") == 1
+    assert same_bits(w.detach(), opt.masters[0][0].to(BF16))

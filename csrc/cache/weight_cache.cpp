@@ -40,6 +40,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "../common/checks.h"
@@ -403,20 +404,22 @@ class WeightCache {
     return it->second.master;
   }
 
-  // Every trainable weight: drop the FP8 entries, restore the released storages. Frozen
-  // (release_frozen) entries survive. Returns the number restored.
-  int64_t restore_all(const std::string& fill_str) {
+  // Every trainable weight but those in `skip`: drop the FP8 entries, restore the released
+  // storages. Frozen (release_frozen) entries survive. Returns the number restored.
+  int64_t restore_all(const std::string& fill_str, const std::vector<at::Tensor>& skip) {
     constexpr const char* op = "zrw.restore_all";
     const Fill fill = parse_fill(op, fill_str);
     TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" needs each weight's FP32 "
                       "master: call zrw.cache.restore_all(\"master\"), which passes them");
+    std::unordered_set<const c10::TensorImpl*> skipped;
+    for (const auto& w : skip) skipped.insert(w.unsafeGetTensorImpl());
     std::lock_guard<std::mutex> lock(mu_);
     sweep_locked();
     Failures failures(op);
     int64_t n = 0;
     for (auto it = table_.begin(); it != table_.end();) {
       Entry& e = it->second;
-      if (e.frozen) {
+      if (e.frozen || skipped.count(it->first)) {
         ++it;
         continue;
       }
@@ -769,8 +772,8 @@ int64_t assign_weights(at::TensorList weights, at::TensorList sources, bool keep
 
 std::optional<at::Tensor> cache_master(const at::Tensor& w) { return WeightCache::get().master(w); }
 
-int64_t restore_all(c10::string_view fill) {
-  return WeightCache::get().restore_all(std::string(fill));
+int64_t restore_all(c10::string_view fill, at::TensorList skip) {
+  return WeightCache::get().restore_all(std::string(fill), skip.vec());
 }
 
 bool cache_invalidate(const at::Tensor& w, c10::string_view fill) {
@@ -810,14 +813,14 @@ std::vector<int64_t> cache_states(at::TensorList weights) {
   m.impl("cache_invalidate", &cache_invalidate);    \
   m.impl("cache_state", &cache_state);              \
   m.impl("cache_states", &cache_states);              \
-  m.impl("cache_master", &cache_master)
+  m.impl("cache_master", &cache_master);              \
+  m.impl("restore_all", &restore_all)
 
 TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) { ZRW_CACHE_TENSOR_OPS(m); }
 
 TORCH_LIBRARY_IMPL(zrw, Autograd, m) { ZRW_CACHE_TENSOR_OPS(m); }
 
 TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) {
-  m.impl("restore_all", &restore_all);
   m.impl("cache_clear", &cache_clear);
   m.impl("next_step", &next_step);
   m.impl("cache_stats", &cache_stats);

@@ -286,5 +286,5 @@ def _eager_only(name: str):
 # The cache ops that take a weight: no meaningful fake exists (their effect is on the weight's
 # storage and the process-wide table), so the fake says so instead of pretending.
 for _name in ("restore", "restore_weights", "assign_weights", "cache_invalidate", "cache_state",
-              "cache_states", "cache_master"):
+              "cache_states", "cache_master", "restore_all"):
     torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))

@@ -255,17 +255,20 @@ def restore_all(fill: str = "master") -> int:
     op = "zrw.cache.restore_all"
     _check_fill(op, fill)
     if fill != "master":
-        return torch.ops.zrw.restore_all(fill)
+        return torch.ops.zrw.restore_all(fill, [])
     errors = []
     n = 0
     # The weights with a live master first (restore_weights skips frozen entries), then the rest.
     with_master = [w for w in list(_masters.keys()) if master_of(w) is not None]
+    failed: List[Tensor] = []
     try:
         n += restore_weights(with_master, "master")
     except RuntimeError as e:
         errors.append(str(e))
+        # Those left released keep their entries: the lossy fill below must not reach them.
+        failed = [w for w, st in zip(with_master, cache_states(with_master)) if st == 2]
     try:
-        n += torch.ops.zrw.restore_all("dequant")
+        n += torch.ops.zrw.restore_all("dequant", failed)
     except RuntimeError as e:
         errors.append(str(e))
     if errors:
