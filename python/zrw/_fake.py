@@ -176,25 +176,26 @@ def _(master, dim, param_dtype, elem_dtype, scale_mode):
     )
 
 
-@torch.library.register_fake("zrw::mx_quantize_dual_from_master")
-def _(master, param_dtype, elem_dtype, scale_mode):
-    op = "zrw.mx_quantize_dual_from_master"
+def _check_master_weight_args(op, master, param_dtype, elem_dtype, scale_mode) -> None:
+    """The checks of the weight-shaped from-master ops (dual-axis, 32x32)."""
     _check_master(op, master)
     _check_master_weight_rank(op, master)
     _check_param_dtype(op, param_dtype)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
+
+
+@torch.library.register_fake("zrw::mx_quantize_dual_from_master")
+def _(master, param_dtype, elem_dtype, scale_mode):
+    _check_master_weight_args("zrw.mx_quantize_dual_from_master", master, param_dtype,
+                              elem_dtype, scale_mode)
     return _dual_outputs(master, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_quantize_block_from_master")
 def _(master, param_dtype, elem_dtype, scale_mode):
-    op = "zrw.mx_quantize_block_from_master"
-    _check_master(op, master)
-    _check_master_weight_rank(op, master)
-    _check_param_dtype(op, param_dtype)
-    _check_elem(op, "elem_dtype", elem_dtype)
-    _check_mode(op, scale_mode)
+    _check_master_weight_args("zrw.mx_quantize_block_from_master", master, param_dtype,
+                              elem_dtype, scale_mode)
     return _block_outputs(master, elem_dtype)
 
 
