@@ -31,6 +31,7 @@ so). Shapes never shrink; --tiny runs tiny shapes (for the tests).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -143,16 +144,27 @@ def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (Mode
     g = torch.Generator().manual_seed(1)
     data = [[torch.randint(0, VOCAB, (1, args["tokens"]), generator=g)
              for _ in range(args["micro_batches"])] for _ in range(args["steps"])]
-    for step in data:
-        if run["world"] > 1:
-            dist.barrier()
-        memory.reset_peak()
-        for ids in step:
-            loss = model(input_ids=ids, labels=ids).loss
-            (loss / len(step)).backward()
-            res.losses.append(loss.item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    # Python's cyclic garbage collector would free objects at moments that differ from run to
+    # run (and mode to mode): collect before each step and keep it off inside, so that both
+    # modes' peaks count the same objects.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for step in data:
+            gc.collect()
+            if run["world"] > 1:
+                dist.barrier()
+            memory.reset_peak()
+            for ids in step:
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / len(step)).backward()
+                res.losses.append(loss.item())
+                del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     # the last step's figures (the first one also allocates what later steps reuse)
     res.window_peak, res.optimizer_peak = marks["window"], marks["opt"]
     res.released_bytes = marks["released"]
