@@ -598,11 +598,15 @@ class WeightCache {
                          .typed<std::tuple<at::Tensor, at::Tensor>(
                              const at::Tensor&, at::ScalarType, c10::string_view)>();
     auto [data, block] = op.call(w, elem_dtype, scale_mode);
-    // The per-axis scales the GEMMs read, expanded once here instead of on every hit.
-    const int64_t N = w.size(-2), K = w.size(-1);
-    auto scale_fwd = mx::mx_expand_block_scale(block, N, K, -1);
-    auto scale_bwd = mx::mx_expand_block_scale(block, N, K, -2);
-    return {data, scale_fwd, data, scale_bwd, block};
+    return block_entry(data, block);
+  }
+
+  // The "mxfp8-32x32" entry tensors: the per-axis scales the GEMMs read are expanded once here
+  // instead of on every hit.
+  static std::vector<at::Tensor> block_entry(const at::Tensor& data, const at::Tensor& block) {
+    const int64_t N = data.size(-2), K = data.size(-1);
+    return {data, mx::mx_expand_block_scale(block, N, K, -1), data,
+            mx::mx_expand_block_scale(block, N, K, -2), block};
   }
 
   // The copy of a released weight whose value is master.to(dtype): the fused ops round each
@@ -629,8 +633,7 @@ class WeightCache {
                              const at::Tensor&, at::ScalarType, at::ScalarType,
                              c10::string_view)>();
     auto [data, block] = op.call(master, dtype, elem_dtype, scale_mode);
-    return {data, mx::mx_expand_block_scale(block, master.size(-2), master.size(-1), -1), data,
-            mx::mx_expand_block_scale(block, master.size(-2), master.size(-1), -2), block};
+    return block_entry(data, block);
   }
 
   // The release guard (DESIGN.md §5). Returns kReleased or the reason to keep the storage.

@@ -94,7 +94,11 @@ def _(x, dim, elem_dtype, scale_mode):
     _check_float_input(op, "x", x)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    d = _wrap(op, "x", dim, x.dim())
+    return _axis_outputs(x, _wrap(op, "x", dim, x.dim()), elem_dtype)
+
+
+def _axis_outputs(x, d, elem_dtype):
+    """The one-axis outputs for an input of x's shape: data and scales along dim d."""
     return (
         x.new_empty(x.shape, dtype=elem_dtype),
         x.new_empty(_scale_shape(x.shape, d), dtype=torch.float8_e8m0fnu),
@@ -169,11 +173,7 @@ def _(master, dim, param_dtype, elem_dtype, scale_mode):
     _check_param_dtype(op, param_dtype)
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    d = _wrap(op, "master", dim, master.dim())
-    return (
-        master.new_empty(master.shape, dtype=elem_dtype),
-        master.new_empty(_scale_shape(master.shape, d), dtype=torch.float8_e8m0fnu),
-    )
+    return _axis_outputs(master, _wrap(op, "master", dim, master.dim()), elem_dtype)
 
 
 def _check_master_weight_args(op, master, param_dtype, elem_dtype, scale_mode) -> None:
