@@ -10,12 +10,16 @@ import pytest
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
+# Each saving is the median over the steps after the first: a gloo worker thread that drops its
+# reference to a collective's buffers late adds a few KiB to one step's peak in one mode, now
+# and then, on a busy host; 7 measured steps make a wrong median need 4 such steps on one rank.
+STEPS = 8
 
 
 def test_bench_seed_tiny_json():
     out = subprocess.run([sys.executable, "-m", "zrw.bench", "seed", "--tiny", "--tokens", "32",
-                          "--json"], capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                          "--steps", str(STEPS), "--json"], capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     configs = {c["config"]: c for c in res["configs"]}
@@ -34,8 +38,13 @@ def test_bench_seed_tiny_json():
             assert r["released_bytes"] == theory
             # the window saving is the released bytes (up to a few bytes of small transients)
             assert abs(r["window_saving_bytes"] - theory) <= max(64, theory // 100), r
+            # the median step's saving is what most steps measured
+            per_step = r["window_saving_per_step_bytes"][1:]
+            assert len(per_step) == STEPS - 1
+            near = [abs(v - theory) <= max(64, theory // 100) for v in per_step]
+            assert sum(near) > len(per_step) // 2, r
             assert r["global_saving_bytes"] > 0
-            assert r["losses_bitwise_equal"] and len(r["losses_after"]) == 4
+            assert r["losses_bitwise_equal"] and len(r["losses_after"]) == 2 * STEPS
     # TP=4 splits the layer's weights in four; EP=2 gives each rank half the experts
     assert configs["5.2"]["ranks"][0]["converted_params"] == \
         configs["5.1"]["ranks"][0]["converted_params"] * 6 // 2 // 4
