@@ -12,6 +12,9 @@ module is everything that changes what a weight holds:
                           use quantizes straight from the master (the BF16-free step)
   restore_all(fill)       every released trainable weight
 
+A DTensor weight (tensor / expert parallelism, zrw.parallel) is cached by its local shard: every
+call here given a DTensor (weight, master or source) works on its local tensor.
+
 Guarantees (the README's "Guarantees" section): a restore checks that the weight still has the
 storage, dtype and size it was released with, allocates its bytes and fills them before it
 clears the release poison, and runs under the cache's lock; a weight it could not restore keeps
@@ -30,6 +33,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
+from ._dtensor import local_tensor as _local
 from .ops import E4M3
 from .planes import MXWeight
 
@@ -62,16 +66,19 @@ def release_enabled() -> bool:
     return getattr(_release_state, "disabled", 0) == 0
 
 
-def _check_tensor(op: str, arg: str, t) -> None:
+def _check_tensor(op: str, arg: str, t) -> Tensor:
+    """t, checked to be a tensor; a DTensor gives its local shard."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    return _local(t)
 
 
-def _check_weight(op: str, w, arg: str = "w") -> None:
-    _check_tensor(op, arg, w)
+def _check_weight(op: str, w, arg: str = "w") -> Tensor:
+    w = _check_tensor(op, arg, w)
     if w.dim() not in (2, 3):
         raise ValueError(f"{op}: {arg} must be a 2-d (N, K) or 3-d (E, N, K) weight, got shape "
                          f"{tuple(w.shape)}")
+    return w
 
 
 def _check_fill(op: str, fill) -> None:
@@ -82,10 +89,7 @@ def _check_fill(op: str, fill) -> None:
 def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     if isinstance(ts, Tensor) or not isinstance(ts, Iterable):
         raise TypeError(f"{op}: {arg} must be an iterable of tensors, got {type(ts).__name__}")
-    out = list(ts)
-    for i, t in enumerate(out):
-        _check_tensor(op, f"{arg}[{i}]", t)
-    return out
+    return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
 @torch._dynamo.disable
@@ -112,26 +116,45 @@ def quant_and_release(
     the name set with `set_weight_name` (the layers set their parameters' names there, so that
     a compiled forward never reads a per-layer string and recompiles for each layer).
     """
-    _check_weight("zrw.cache.quant_and_release", w)
+    trainable = w.requires_grad if isinstance(w, Tensor) else False
+    w = _check_weight("zrw.cache.quant_and_release", w)  # a DTensor: its local shard
+    return _quant_local(w, trainable, recipe, release, release_frozen, elem_dtype, scale_mode,
+                        name)
+
+
+@torch._dynamo.disable
+def _quant_local(w: Tensor, trainable: bool, recipe: str, release: bool, release_frozen: bool,
+                 elem_dtype: torch.dtype, scale_mode: str, name: Optional[str]) -> MXWeight:
+    """quant_and_release of `w`, a plain tensor or a DTensor's local shard. The local tensor of
+    a DTensor never requires grad itself (its DTensor does): with `trainable` it is marked
+    trainable for the duration of the call, so the release guard treats it as the trainable
+    leaf it stands for (released until the optimizer boundary, not frozen for good)."""
     release = release and release_enabled()
     if name is None:
         name = weight_name(w)
     elif name and not weight_name(w):
         set_weight_name(w, name)  # messages outside the cache (the optimizer guard) use it too
-    tensors = torch.ops.zrw.quant_and_release(
-        w, recipe, release, release_frozen, elem_dtype, scale_mode, name
-    )
+    flip = trainable and not w.requires_grad and torch.is_grad_enabled()
+    if flip:
+        w.requires_grad_(True)
+    try:
+        tensors = torch.ops.zrw.quant_and_release(
+            w, recipe, release, release_frozen, elem_dtype, scale_mode, name
+        )
+    finally:
+        if flip:
+            w.requires_grad_(False)
     return MXWeight.from_tensors(recipe, tensors)
 
 
 def set_weight_name(w: Tensor, name: str) -> None:
     """Name `w` for zrw's messages (the release poison, cache_entries) where a call passes none."""
-    w._zrw_name = name
+    _local(w)._zrw_name = name
 
 
 def weight_name(w: Tensor) -> str:
     """The name set with `set_weight_name`, or ""."""
-    return getattr(w, "_zrw_name", "") or ""
+    return getattr(_local(w), "_zrw_name", "") or ""
 
 
 # Masters registered by zrw.optim.MasterWeights: weight -> a weak reference to its FP32 master,
@@ -142,8 +165,8 @@ _masters = WeakIdKeyDictionary()
 
 def register_master(weight: Tensor, master: Tensor) -> None:
     """Record the FP32 master of `weight` so that fill="master" can restore it exactly."""
-    _check_tensor("zrw.cache.register_master", "weight", weight)
-    _check_tensor("zrw.cache.register_master", "master", master)
+    weight = _check_tensor("zrw.cache.register_master", "weight", weight)
+    master = _check_tensor("zrw.cache.register_master", "master", master)
     if master.shape != weight.shape:
         raise ValueError(f"zrw.cache.register_master: master must have the weight's shape "
                          f"{tuple(weight.shape)}, got {tuple(master.shape)}")
@@ -152,7 +175,9 @@ def register_master(weight: Tensor, master: Tensor) -> None:
 
 def master_of(weight: Tensor) -> Optional[Tensor]:
     """The FP32 master of `weight`: the one registered (by MasterWeights), else the one its cache
-    entry holds while it is released after a keep_released write-back, or None."""
+    entry holds while it is released after a keep_released write-back, or None. (For a DTensor
+    weight: its local shard's master.)"""
+    weight = _check_tensor("zrw.cache.master_of", "weight", weight)
     ref = _masters.get(weight)
     master = None if ref is None else ref()
     return cache_master(weight) if master is None else master
@@ -161,7 +186,7 @@ def master_of(weight: Tensor) -> Optional[Tensor]:
 def cache_master(w: Tensor) -> Optional[Tensor]:
     """The FP32 master that w's cache entry holds while w is released by a keep_released
     write-back (the BF16-free step), or None."""
-    _check_tensor("zrw.cache.cache_master", "w", w)
+    w = _check_tensor("zrw.cache.cache_master", "w", w)
     return torch.ops.zrw.cache_master(w)
 
 
@@ -183,7 +208,7 @@ def restore(w: Tensor, fill: str = "master") -> None:
     (`w.data = t`); on any error the weight stays released and restorable.
     """
     op = "zrw.cache.restore"
-    _check_tensor(op, "w", w)
+    w = _check_tensor(op, "w", w)
     _check_fill(op, fill)
     source = None
     if fill == "master":
@@ -279,7 +304,7 @@ def restore_all(fill: str = "master") -> int:
 def cache_state(w: Tensor) -> int:
     """0: w has no cache entry; 1: its FP8 copy is cached; 2: cached and its storage released
     until the optimizer boundary; 3: released for good (a frozen weight, release_frozen)."""
-    _check_tensor("zrw.cache.cache_state", "w", w)
+    w = _check_tensor("zrw.cache.cache_state", "w", w)
     return torch.ops.zrw.cache_state(w)
 
 
@@ -321,7 +346,7 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
     weight whose data was replaced since its release (`w.data = t`) keeps the new data: its
     entry is dropped without writing into it."""
     op = "zrw.cache.cache_invalidate"
-    _check_tensor(op, "w", w)
+    w = _check_tensor(op, "w", w)
     _check_fill(op, fill)
     if fill == "master":
         state = torch.ops.zrw.cache_state(w)

@@ -41,35 +41,10 @@ import torch
 from torch import Tensor
 
 from . import cache
+from ._dtensor import _dtensor_cls, is_dtensor, local_tensor  # noqa: F401 (zrw.parallel's API)
 from .config import QuantRecipe
 
 BLOCK = 32
-
-_DTensor = None
-
-
-def _dtensor_cls():
-    global _DTensor
-    if _DTensor is None:
-        if not torch.distributed.is_available():
-            _DTensor = ()
-        else:
-            from torch.distributed.tensor import DTensor
-
-            _DTensor = DTensor
-    return _DTensor
-
-
-def is_dtensor(t) -> bool:
-    """Whether `t` is a torch.distributed.tensor.DTensor (a Parameter wrapping one included)."""
-    cls = _dtensor_cls()
-    return bool(cls) and isinstance(t, cls)
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The tensor zrw's cache works on: a DTensor's local shard (the tensor that owns the rank's
-    storage, not a `to_local()` view of it), any other tensor itself."""
-    return t._local_tensor if is_dtensor(t) else t
 
 
 def local_tensors(ts) -> List[Tensor]:
@@ -102,23 +77,12 @@ def main_grad_owner(weight: Tensor) -> Tensor:
 
 def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
                 release_frozen: bool, name: Optional[str] = None):
-    """quant_and_release on a rank's local shard. The local tensor of a DTensor never requires
-    grad itself (its DTensor does), so for a trainable DTensor it is marked trainable for the
-    duration of the call: the release guard then treats it as the trainable leaf it stands for
-    (released until the optimizer boundary, not frozen for good)."""
+    """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
+    view of it) is (zrw.cache._quant_local)."""
     from .nn.linear import cache_recipe
 
-    flip = requires_grad and not owner.requires_grad and torch.is_grad_enabled()
-    if flip:
-        owner.requires_grad_(True)
-    try:
-        return cache.quant_and_release(owner, cache_recipe(recipe), release,
-                                       release_frozen=release_frozen,
-                                       elem_dtype=recipe.elem_dtype,
-                                       scale_mode=recipe.scale_mode, name=name)
-    finally:
-        if flip:
-            owner.requires_grad_(False)
+    return cache._quant_local(owner, requires_grad, cache_recipe(recipe), release, release_frozen,
+                              recipe.elem_dtype, recipe.scale_mode, name)
 
 
 def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release: bool,

@@ -223,6 +223,42 @@ def test_load_state_dict_updates_masters_and_drops_fp8(kind, recipe):
     assert_same_weights(runs[0][1], runs[1][1], "after load_state_dict")
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_load_state_dict_into_a_frozen_weight_released_for_good(recipe):
+    """A frozen weight released for good (release_frozen: FP8 only, no master) takes loaded
+    values: restored with them, released again at its next use, and the layer then computes
+    exactly what a fresh layer holding those values computes. Its trainable neighbour (with
+    MasterWeights) still loads into its master."""
+    torch.manual_seed(5)
+
+    def net():
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False, dtype=BF16),
+                                torch.nn.Linear(64, 32, bias=False, dtype=BF16))
+        zrw.convert(m, recipe, release_frozen=True)
+        m[0].weight.requires_grad_(False)
+        return m
+
+    model, fresh = net(), net()
+    opt = MasterWeights(torch.optim.SGD, [model[1].weight], lr=0.1)
+    x = torch.randn(8, 64, dtype=BF16)
+    model(x).float().square().mean().backward()
+    opt.step()
+    assert cache.cache_state(model[0].weight) == 3  # released for good
+    assert cache.cache_state(model[1].weight) == 2  # released, pending from its master
+    new = {"0.weight": torch.randn(64, 64, dtype=BF16),
+           "1.weight": torch.randn(32, 64, dtype=BF16)}
+    model.load_state_dict(new)
+    assert cache.cache_state(model[0].weight) == 0
+    assert torch.equal(model[0].weight, new["0.weight"])
+    assert torch.equal(cache.master_of(model[1].weight), new["1.weight"].float())
+    fresh.load_state_dict(new)
+    out, want = model(x), fresh(x)  # a training-mode use (under no_grad nothing is released)
+    assert torch.equal(out, want)
+    assert cache.cache_state(model[0].weight) == 3  # released again by its next use
+    del opt
+    cache.cache_clear()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_eval_under_no_grad_uses_fp8_copies(kind):
     (off, _, _), (free, _, summary) = _two_runs(kind, "mxfp8")

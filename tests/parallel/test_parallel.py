@@ -117,9 +117,15 @@ def test_two_ranks(two_ranks, case):
     if case.endswith("_bf16"):
         # All-BF16: the engine sums the ranks' partial products in BF16 (attention's rowwise
         # outputs, colwise input gradients), one more rounding than the unsharded run's FP32
-        # accumulation, which MX quantization then sees.
-        torch.testing.assert_close(out["on"]["losses"], out["unsharded"]["losses"], rtol=2e-3,
-                                   atol=0)
+        # accumulation, which MX quantization then sees. The first step's losses (the same
+        # weights) show just that; later steps add AdamW's amplification: its first updates are
+        # close to lr * sign(grad), so a gradient element near zero that the rounding flips
+        # moves by 2 lr (seen: 2.8e-3 relative on step 3 with the AVX2 FP32 GEMM path, 1e-5
+        # on step 1).
+        on, ref = out["on"]["losses"], out["unsharded"]["losses"]
+        first = on.numel() // STEPS
+        torch.testing.assert_close(on[:first], ref[:first], rtol=1e-3, atol=0)
+        torch.testing.assert_close(on[first:], ref[first:], rtol=1e-2, atol=0)
     else:
         check_matches_unsharded(out, rtol=1e-5)
     if "moe" in case:

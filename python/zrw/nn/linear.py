@@ -207,7 +207,9 @@ class ReleasedWeightsStateDict:
 
     Loading: a released weight with a master takes the loaded values into its master and stays
     released (its FP8 copy is dropped; its next use quantizes the new values); a released weight
-    without a master is restored with the loaded values; any other weight is loaded as usual,
+    without a master, or a frozen weight released for good (release_frozen), is restored with
+    the loaded values (its next use quantizes and releases them again); any other weight is
+    loaded as usual,
     and its master (if any) follows it. So a model's load_state_dict never leaves a master
     behind its weight."""
 
@@ -246,8 +248,8 @@ class ReleasedWeightsStateDict:
         states = cache.cache_states([parallel.local_tensor(p) for _, p in params])
         held = {}  # released weights: loaded here, hidden from nn.Module's copy_
         for (n, p), st in zip(params, states):
-            if st == 2 and prefix + n in state_dict:
-                held[n] = p
+            if st >= 2 and prefix + n in state_dict:
+                held[n] = (p, st)
         if held:
             saved = dict(self._parameters)
             for n in held:
@@ -264,7 +266,7 @@ class ReleasedWeightsStateDict:
             unexpected_keys[first_unexpected:] = [
                 k for k in unexpected_keys[first_unexpected:]
                 if k[len(prefix):] not in held]
-        for n, p in held.items():
+        for n, (p, st) in held.items():
             key = prefix + n
             value = state_dict[key]
             if not isinstance(value, torch.Tensor):
@@ -291,7 +293,11 @@ class ReleasedWeightsStateDict:
                 value, p = value.to_local(), parallel.local_tensor(p)
             master = cache.master_of(p)
             with torch.no_grad():
-                if master is None:
+                if st == 3:
+                    # A frozen weight released for good: restored with these values (its entry
+                    # goes; its next use quantizes and releases them again).
+                    torch.ops.zrw.restore(p, "master", value.detach())
+                elif master is None:
                     cache.assign_weights([p], [value.detach()])  # restored with these values
                 else:
                     # The master takes the weight's new value as the weight would hold it.

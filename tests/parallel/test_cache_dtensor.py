@@ -1,0 +1,89 @@
+"""zrw.cache's public calls given a DTensor weight (tensor / expert parallelism) work on its
+local shard, the tensor the cache holds for it: the same entry, state, name, master and restore
+as the layers and zrw.parallel use. Before, they silently worked on the DTensor wrapper (state 0,
+no entry). One gloo rank on a 1-d mesh, in a child process (a process group is process-wide)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
+import ranks  # noqa: E402  (tests/fsdp/ranks.py: a free loopback port)
+
+SCRIPT = r"""
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from zrw import cache
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+recipe = sys.argv[2]
+full = torch.randn(64, 96)
+
+def dtensor(t, requires_grad=True):
+    return torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]),
+                              requires_grad=requires_grad)
+
+w = dtensor(full.bfloat16())
+local = w._local_tensor
+cache.set_weight_name(w, "layer.weight")
+assert cache.weight_name(local) == "layer.weight" == cache.weight_name(w)
+
+# quantize and release through the DTensor: the local shard is released, filed once
+plain = full.bfloat16().requires_grad_(True)
+want = cache.quant_and_release(plain, recipe, release=False)
+got = cache.quant_and_release(w, recipe)
+for pw, pg in ((want.fwd, got.fwd), (want.bwd, got.bwd)):
+    for a, b in zip(pw, pg):  # data and scale, byte for byte
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+assert cache.cache_state(w) == cache.cache_state(local) == 2 and cache.is_released(w)
+assert cache.cache_states([w, plain]) == [2, 1]
+again = cache.quant_and_release(w, recipe)
+assert again.fwd.data.data_ptr() == got.fwd.data.data_ptr()  # the cached copy
+try:
+    w.to_local().sum()
+    raise SystemExit("a released DTensor weight was readable")
+except RuntimeError as e:
+    assert "layer.weight" in str(e) and "released" in str(e), e
+
+# a DTensor master restores it exactly
+master = dtensor(full, requires_grad=False)
+cache.register_master(w, master)
+assert cache.master_of(w) is master._local_tensor
+cache.restore(w, "master")
+assert cache.cache_state(w) == 0 and torch.equal(w.to_local(), full.bfloat16())
+
+# the BF16-free write-back with a DTensor source; restore from the entry's master
+cache.quant_and_release(w, recipe)
+src = dtensor(full * 2, requires_grad=False)
+assert cache.assign_weights([w], [src], keep_released=True) == 1
+assert cache.cache_state(w) == 2 and cache.cache_master(w) is src._local_tensor
+assert cache.cache_invalidate(w, "dequant") and cache.cache_state(w) == 0
+assert torch.equal(w.to_local(), (full * 2).bfloat16())
+
+# a frozen DTensor weight is released for good only with release_frozen
+f = dtensor(full.bfloat16(), requires_grad=False)
+cache.quant_and_release(f, recipe)
+assert cache.cache_state(f) == 1
+cache.cache_invalidate(f)
+cache.quant_and_release(f, recipe, release_frozen=True)
+assert cache.cache_state(f) == 3
+cache.cache_clear()
+dist.destroy_process_group()
+sys.stdout.flush()
+print("OK")
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+def test_cache_calls_given_a_dtensor_work_on_its_local_shard(recipe):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(ranks.free_port()), recipe],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), \
+        r.stdout[-3000:] + r.stderr[-3000:]
