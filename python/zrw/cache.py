@@ -118,33 +118,32 @@ def quant_and_release(
     """
     trainable = w.requires_grad if isinstance(w, Tensor) else False
     w = _check_weight("zrw.cache.quant_and_release", w)  # a DTensor: its local shard
-    return _quant_local(w, trainable, recipe, release, release_frozen, elem_dtype, scale_mode,
-                        name)
-
-
-@torch._dynamo.disable
-def _quant_local(w: Tensor, trainable: bool, recipe: str, release: bool, release_frozen: bool,
-                 elem_dtype: torch.dtype, scale_mode: str, name: Optional[str]) -> MXWeight:
-    """quant_and_release of `w`, a plain tensor or a DTensor's local shard. The local tensor of
-    a DTensor never requires grad itself (its DTensor does): with `trainable` it is marked
-    trainable for the duration of the call, so the release guard treats it as the trainable
-    leaf it stands for (released until the optimizer boundary, not frozen for good)."""
     release = release and release_enabled()
     if name is None:
         name = weight_name(w)
     elif name and not weight_name(w):
         set_weight_name(w, name)  # messages outside the cache (the optimizer guard) use it too
+    with trainable_as(w, trainable):
+        tensors = torch.ops.zrw.quant_and_release(
+            w, recipe, release, release_frozen, elem_dtype, scale_mode, name
+        )
+    return MXWeight.from_tensors(recipe, tensors)
+
+
+@contextlib.contextmanager
+def trainable_as(w: Tensor, trainable: bool) -> Iterator[None]:
+    """Within this block `w`, a DTensor's local shard (which never requires grad itself: its
+    DTensor does), counts as the trainable leaf it stands for when `trainable`, so that the
+    release guard releases it until the optimizer boundary instead of treating it as frozen.
+    Only under grad mode; a tensor that already requires grad is left as it is."""
     flip = trainable and not w.requires_grad and torch.is_grad_enabled()
     if flip:
         w.requires_grad_(True)
     try:
-        tensors = torch.ops.zrw.quant_and_release(
-            w, recipe, release, release_frozen, elem_dtype, scale_mode, name
-        )
+        yield
     finally:
         if flip:
             w.requires_grad_(False)
-    return MXWeight.from_tensors(recipe, tensors)
 
 
 def set_weight_name(w: Tensor, name: str) -> None:

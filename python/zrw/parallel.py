@@ -75,14 +75,17 @@ def main_grad_owner(weight: Tensor) -> Tensor:
     return weight if param is None else param
 
 
+@torch._dynamo.disable
 def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
                 release_frozen: bool, name: Optional[str] = None):
     """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
-    view of it) is (zrw.cache._quant_local)."""
+    view of it) is (zrw.cache.trainable_as)."""
     from .nn.linear import cache_recipe
 
-    return cache._quant_local(owner, requires_grad, cache_recipe(recipe), release, release_frozen,
-                              recipe.elem_dtype, recipe.scale_mode, name)
+    with cache.trainable_as(owner, requires_grad):
+        return cache.quant_and_release(owner, cache_recipe(recipe), release,
+                                       release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
+                                       scale_mode=recipe.scale_mode, name=name)
 
 
 def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release: bool,
