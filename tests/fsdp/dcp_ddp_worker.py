@@ -20,6 +20,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fsdp_worker import Net  # noqa: E402
+import ranks  # noqa: E402  (exit_after)
 
 
 # ---- DCP ---------------------------------------------------------------------------------------
@@ -216,10 +217,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = main()
-    # Results saved, process group destroyed: leave without the interpreter's teardown, where
-    # gloo's worker threads now and then abort a run that passed ("terminate called without an
-    # active exception": a torch/gloo teardown race, not zrw's).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    ranks.exit_after(main)

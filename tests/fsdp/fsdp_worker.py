@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ranks  # tests/fsdp/ranks.py: exit_after
+
 
 class Experts(nn.Module):
     """A Hugging Face style fused-experts module (3-D gate_up_proj / down_proj, act_fn)."""
@@ -264,10 +266,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = main()
-    # Results saved, process group destroyed: leave without the interpreter's teardown, where
-    # gloo's worker threads now and then abort a run that passed ("terminate called without an
-    # active exception": a torch/gloo teardown race, not zrw's).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    ranks.exit_after(main)

@@ -26,6 +26,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp"))
+import ranks  # noqa: E402  (tests/fsdp/ranks.py: exit_after)
+
 VOCAB = 128
 LR = 1e-2  # AdamW
 
@@ -339,10 +342,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = main()
-    # Results saved, process group destroyed: leave without the interpreter's teardown, where
-    # gloo's worker threads now and then abort a run that passed ("terminate called without an
-    # active exception": a torch/gloo teardown race, not zrw's).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    ranks.exit_after(main)
