@@ -26,7 +26,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "fsdp"))
 import ranks  # noqa: E402  (tests/fsdp/ranks.py: exit_after)
 
 VOCAB = 128
