@@ -8,6 +8,7 @@ storage is given bytes after the first step; everything between steps keeps work
 leaving the mode); and MasterWeights never holds the BF16 gradients and their FP32 copies in
 full at once.
 """
+import copy
 import io
 import os
 import subprocess
@@ -271,6 +272,40 @@ def test_eval_under_no_grad_uses_fp8_copies(kind):
     assert torch.equal(a, b) and torch.equal(b, b2)
     assert cache.cache_stats()["restored"] == restored
     assert all(cache.is_released(free.get_parameter(n)) for n in summary.released_weights)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save(model)"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_copies_of_the_model_between_steps_hold_exact_bf16_weights(kind, how):
+    """copy.deepcopy(model) (an EMA or best-model copy) and torch.save(model) / torch.load of
+    the whole module between steps: the copy's weights are the exact BF16 values (bf16 of the
+    masters), ordinary readable tensors; the model itself stays released."""
+    (off, _, _), (free, _, summary) = _two_runs(kind, "mxfp8")
+    ref = off.state_dict()
+    restored = cache.cache_stats()["restored"]
+    if how == "deepcopy":
+        twin = copy.deepcopy(free)
+    else:
+        buf = io.BytesIO()
+        torch.save(free, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert cache.cache_stats()["restored"] == restored
+    assert all(cache.is_released(free.get_parameter(n)) for n in summary.released_weights)
+    for n in summary.released_weights:
+        p = twin.get_parameter(n)
+        assert cache.cache_state(p) == 0 and p.requires_grad
+        assert torch.equal(p.detach(), ref[n]), n  # readable, and exactly the BF16 weight
+    assert_same_weights(weights(twin), weights(off), how)
+    ids = make_batches(1, 1, seed=9)[0][0]
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=ids).logits, free(input_ids=ids).logits)
+    # The copy is a zrw model of its own: its layers keep their names and train.
+    name = summary.released_weights[0]
+    assert cache.weight_name(twin.get_parameter(name)) == name
+    opt = zrw.optim.attach(MasterWeights(torch.optim.AdamW, twin.parameters(), lr=1e-3))
+    train(twin, opt, make_batches(1, 1, seed=10))
+    assert cache.is_released(twin.get_parameter(name))
 
 
 @pytest.mark.parametrize("leave", ["restore_all", "detach"])

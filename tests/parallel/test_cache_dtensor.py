@@ -74,6 +74,28 @@ cache.cache_invalidate(f)
 cache.quant_and_release(f, recipe, release_frozen=True)
 assert cache.cache_state(f) == 3
 cache.cache_clear()
+
+# copy.deepcopy of a TP layer between BF16-free steps: the copy's weight is a DTensor holding
+# bf16 of the master, readable; the layer's own weight stays released
+import copy, zrw
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+model = torch.nn.Sequential(torch.nn.Linear(96, 64, dtype=torch.bfloat16))
+zrw.convert(model, recipe)
+parallelize_module(model, mesh, {"0": ColwiseParallel()})
+zrw.parallel.prepare(model)
+opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2))
+model(torch.randn(4, 96, dtype=torch.bfloat16)).float().sum().backward()
+opt.step()
+opt.zero_grad()
+assert cache.is_released(model[0].weight)
+twin = copy.deepcopy(model)
+tw = twin[0].weight
+assert type(tw.data).__name__ == "DTensor" and cache.cache_state(tw) == 0
+assert torch.equal(tw.to_local(), model.state_dict()["0.weight"].to_local())
+assert torch.equal(tw.to_local(), opt.masters[0][0].to_local().bfloat16())
+assert cache.is_released(model[0].weight)
+del opt, model, twin
+cache.cache_clear()
 dist.destroy_process_group()
 sys.stdout.flush()
 print("OK")

@@ -213,13 +213,42 @@ class ReleasedWeightsStateDict:
     and its master (if any) follows it. So a model's load_state_dict never leaves a master
     behind its weight."""
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+    def _released_weights(self):
+        """(name, parameter, FP32 master or None) of each quantized parameter that is released.
+        A DTensor weight (tensor / expert parallelism): the cache holds its local shard, and
+        the master is that shard's."""
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
         params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
-        # A DTensor weight (tensor / expert parallelism): the cache holds its local shard.
         states = cache.cache_states([parallel.local_tensor(p) for _, p in params])
-        released = [(n, p, cache.master_of(parallel.local_tensor(p)))
-                    for (n, p), st in zip(params, states) if st >= 2]
+        return [(n, p, cache.master_of(parallel.local_tensor(p)))
+                for (n, p), st in zip(params, states) if st >= 2]
+
+    @staticmethod
+    def _materialize(p: Tensor, master: Tensor) -> Tensor:
+        """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its master;
+        a DTensor weight gets a DTensor laid out as it is."""
+        with torch.no_grad():
+            return parallel.wrap_like(p, master.detach().to(p.dtype, copy=True))
+
+    def __getstate__(self):
+        """Pickling and copy.deepcopy of the layer (`torch.save(model, path)`, an EMA or
+        best-model copy between steps): a released weight with an FP32 master goes into the
+        copy as a fresh Parameter holding its exact value (bf16 of the master), so the copy is
+        an ordinary layer with readable weights; this layer is not changed (its weights stay
+        released). A released weight without a master is left as it is, and pickling it raises
+        the released-weight error that names it."""
+        state = super().__getstate__()
+        released = [(n, p, m) for n, p, m in self._released_weights() if m is not None]
+        if not released:
+            return state
+        state = dict(state)  # nn.Module's is the instance's own __dict__
+        params = state["_parameters"] = dict(state["_parameters"])
+        for n, p, m in released:
+            params[n] = nn.Parameter(self._materialize(p, m), requires_grad=p.requires_grad)
+        return state
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        released = self._released_weights()
         orphans = [parallel.local_tensor(p) for _, p, m in released if m is None]
         if orphans:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
@@ -233,8 +262,7 @@ class ReleasedWeightsStateDict:
                 "dequantization where no master exists)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n, p, m in released:
-            with torch.no_grad():  # a DTensor weight gets a DTensor laid out as it is
-                destination[prefix + n] = parallel.wrap_like(p, m.detach().to(p.dtype, copy=True))
+            destination[prefix + n] = self._materialize(p, m)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
