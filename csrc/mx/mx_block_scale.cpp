@@ -17,8 +17,8 @@ at::Tensor mx_expand_block_scale(const at::Tensor& block_scale, int64_t n, int64
   TORCH_CHECK_VALUE(block_scale.dim() == 2 || block_scale.dim() == 3, op,
                     ": block_scale must be 2-d (ceil(N/32), ceil(K/32)) or 3-d (E, ceil(N/32), "
                     "ceil(K/32)), got shape ", block_scale.sizes());
-  TORCH_CHECK_VALUE(n > 0 && k > 0, op, ": the weight's N and K must be positive, got N=", n,
-                    ", K=", k);
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0, op, ": the weight's N and K must be non-negative, got N=",
+                    n, ", K=", k);
   const int64_t d = block_scale.dim();
   const int64_t nb = ceil_div(n, kBlock), kb = ceil_div(k, kBlock);
   TORCH_CHECK_VALUE(block_scale.size(d - 2) == nb && block_scale.size(d - 1) == kb, op,

@@ -238,7 +238,7 @@ def _mx_expand_block_scale_fake(block_scale, n, k, dim):
     if block_scale.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"{op}: block_scale must be torch.float8_e8m0fnu, got {block_scale.dtype}")
     nd = block_scale.dim()
-    if nd not in (2, 3) or n <= 0 or k <= 0 or tuple(block_scale.shape[-2:]) != (
+    if nd not in (2, 3) or n < 0 or k < 0 or tuple(block_scale.shape[-2:]) != (
             _ceil_div(n, BLOCK), _ceil_div(k, BLOCK)):
         raise ValueError(f"{op}: block_scale of a weight with N={n}, K={k} must end in "
                          f"({_ceil_div(n, BLOCK)}, {_ceil_div(k, BLOCK)}), got shape "

@@ -277,6 +277,26 @@ def test_mxlinear_is_a_drop_in_for_nn_linear():
         mx(_data(4, 71, seed=9))
 
 
+@pytest.mark.parametrize("shape", [(40, 0), (0, 33)], ids=["no_out_features", "no_in_features"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_mxlinear_with_an_empty_weight_trains(recipe, shape):
+    """A layer with no output (or no input) features trains like nn.Linear does, in both
+    recipes (the 32x32 entry's per-axis scales of an empty weight are empty too)."""
+    in_f, out_f = shape
+    model = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, dtype=BF16))
+    zrw.convert(model, recipe)
+    opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2))
+    for _ in range(2):
+        x = _data(3, in_f, seed=1).requires_grad_(True)
+        y = model(x)
+        assert y.shape == (3, out_f)
+        (y.float().sum() + x.float().sum()).backward()
+        assert x.grad.shape == x.shape
+        opt.step()
+        opt.zero_grad()
+    assert model.state_dict()["0.weight"].shape == (out_f, in_f)
+
+
 # ------------------------------------------------------------------------------------------------
 # MXGroupedLinear
 

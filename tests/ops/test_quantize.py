@@ -539,6 +539,13 @@ def test_dual_and_block_empty(shape):
     got = ops.mx_quantize_block(w)
     exp = ref.mx_quantize_block(w)
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in exp]
+    # the per-axis scales of an empty 32x32 weight (the cache expands them for every entry),
+    # on the op, the reference and the fake
+    for dim in (-1, -2):
+        scale = ops.expand_block_scale(got[1], shape, dim)
+        want = ref.expand_block_scale(exp[1], shape, dim)
+        fake = ops.expand_block_scale(got[1].to("meta"), shape, dim)
+        assert scale.shape == want.shape == fake.shape and scale.dtype == E8M0
 
 
 # ------------------------------------------------------------------------------------------------

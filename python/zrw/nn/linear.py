@@ -11,6 +11,7 @@ BF16 weight saved for backward. The activation is quantized along both axes in o
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -164,7 +165,7 @@ def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: planes
     shard) and `main_grad_owner` the parameter that accumulates main_grad (default: weight)."""
     if main_grad and main_grad_owner is None:
         main_grad_owner = parallel.main_grad_owner(weight)
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # also with no input features
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     y = _MXLinearFn.apply(x2d, weight, bias, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale,
