@@ -22,7 +22,7 @@ from . import cache  # noqa: E402,F401
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .planes import MXWeight  # noqa: E402,F401
 from .cache import no_release  # noqa: E402,F401
-from . import memory, nn, optim  # noqa: E402,F401
+from . import checkpoint, memory, nn, optim  # noqa: E402,F401
 from .nn import convert  # noqa: E402,F401
 from .backends import backends  # noqa: E402,F401
 

@@ -181,6 +181,58 @@ def test_state_dict_and_savers_give_exact_bf16_without_restoring(kind, recipe, t
     assert cache.cache_stats()["restored"] == restored
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_streaming_save_holds_one_weight_at_a_time(kind, tmp_path):
+    """zrw.checkpoint.save_safetensors writes model.state_dict() tensor by tensor: the file is
+    exactly the release-off model's state dict (safetensors and from_pretrained load it), the
+    weights stay released, and the save never holds more than one materialized weight (the
+    dict of model.state_dict() holds them all)."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    memory.install()
+    (off, _, _), (free, _, summary) = _two_runs(kind, "mxfp8")
+    ref = off.state_dict()
+    restored = cache.cache_stats()["restored"]
+    path = str(tmp_path / "model.safetensors")
+    with memory.window() as w:
+        zrw.checkpoint.save_safetensors(free, path, metadata={"format": "pt"})
+    sizes = sizes_of([free.get_parameter(n) for n in summary.released_weights])
+    assert w["peak"] - w["start"] <= max(sizes) + 4096, (w["peak"] - w["start"], max(sizes))
+    assert memory.current() - w["start"] <= 4096
+    assert sum(sizes) > 2 * max(sizes)  # holding them all would exceed the bound
+    loaded = safetensors.load_file(path)
+    assert loaded.keys() == ref.keys()
+    bad = [k for k in ref if not torch.equal(loaded[k], ref[k]) or loaded[k].dtype != ref[k].dtype]
+    assert not bad, bad
+    assert cache.cache_stats()["restored"] == restored
+    assert all(cache.is_released(free.get_parameter(n)) for n in summary.released_weights)
+    # iter_state_dict: the same entries, in state_dict() order
+    names = [n for n, _ in zrw.checkpoint.iter_state_dict(free)]
+    assert names == list(ref)
+    # transformers loads the file as a checkpoint of the model
+    free.config.save_pretrained(str(tmp_path))
+    again = type(free).from_pretrained(str(tmp_path), dtype=BF16)
+    assert_same_weights(weights(again), weights(off), "from_pretrained of the streamed file")
+
+
+def test_streaming_save_refuses_before_it_touches_the_file(tmp_path):
+    """A released weight without a master (mid-step, plain optimizer): a named error before the
+    file is opened, so an existing checkpoint survives."""
+    lin = MXLinear.from_linear(torch.nn.Linear(64, 64, dtype=BF16), "mxfp8", name="layer")
+    x = torch.randn(4, 64).to(BF16)
+    lin(x).float().sum().backward()
+    assert cache.is_released(lin.weight)
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(b"the old checkpoint")
+    with pytest.raises(RuntimeError, match=r"weight 'layer' \(weight\) is released and has no "
+                                           r"FP32 master"):
+        zrw.checkpoint.save_safetensors(lin, str(path))
+    assert path.read_bytes() == b"the old checkpoint"
+    assert list(tmp_path.iterdir()) == [path]
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        zrw.checkpoint.save_safetensors({}, str(path))
+    cache.restore(lin.weight, "dequant")
+
+
 def test_state_dict_materializes_each_weight_once_without_temporaries():
     """state_dict allocates the BF16 tensors it returns and nothing more: no FP32 temporaries,
     no restore of the whole model."""

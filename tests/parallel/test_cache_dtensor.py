@@ -94,6 +94,15 @@ assert type(tw.data).__name__ == "DTensor" and cache.cache_state(tw) == 0
 assert torch.equal(tw.to_local(), model.state_dict()["0.weight"].to_local())
 assert torch.equal(tw.to_local(), opt.masters[0][0].to_local().bfloat16())
 assert cache.is_released(model[0].weight)
+# zrw.checkpoint: iter_state_dict materializes the DTensor weight; safetensors refuses DTensors
+streamed = dict(zrw.checkpoint.iter_state_dict(model))
+assert torch.equal(streamed["0.weight"].to_local(), tw.to_local())
+try:
+    zrw.checkpoint.save_safetensors(model, os.devnull)
+    raise SystemExit("save_safetensors wrote a DTensor model")
+except TypeError as e:
+    assert "'0.bias' is a DTensor" in str(e) and "torch.distributed.checkpoint" in str(e), e
+assert cache.is_released(model[0].weight)
 del opt, model, twin
 cache.cache_clear()
 dist.destroy_process_group()

@@ -21,6 +21,7 @@ from .. import ops
 from .. import parallel
 from .. import planes
 from .. import cache
+from .. import checkpoint
 from ..config import QuantRecipe, get_recipe
 
 
@@ -250,6 +251,13 @@ class ReleasedWeightsStateDict:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         released = self._released_weights()
+        if checkpoint.deferring():
+            # zrw.checkpoint materializes each released weight when it writes it: here the
+            # weight itself stands for it (its cache entry, master and metadata; no bytes).
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            for n, p, _ in released:
+                destination[prefix + n] = p
+            return
         orphans = [parallel.local_tensor(p) for _, p, m in released if m is None]
         if orphans:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)

@@ -1,0 +1,150 @@
+"""Saving a model whose weights are released, one tensor at a time.
+
+`model.state_dict()` materializes every released weight from its FP32 master (exact BF16), and
+the dict it returns holds them all: the model's BF16 size (2 bytes per converted element) for
+as long as the caller keeps it. The calls here never hold more than one materialized weight:
+
+  iter_state_dict(model)          (name, tensor) pairs of model.state_dict(); a released weight
+                                  is materialized when its turn comes, and is the caller's to
+                                  drop before the next one is made
+  save_safetensors(model, path)   a .safetensors file (loadable by safetensors.torch.load_file
+                                  and transformers' from_pretrained), written tensor by tensor
+
+Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
+allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import threading
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import cache
+from . import parallel
+
+_state = threading.local()
+
+# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
+# naming each tensor's dtype, shape and byte range, then the bytes).
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def deferring() -> bool:
+    """True inside `_deferred()`: zrw layers put a released weight itself into the state dict
+    (metadata only, no bytes) instead of materializing it."""
+    return getattr(_state, "defer", 0) > 0
+
+
+@contextlib.contextmanager
+def _deferred() -> Iterator[None]:
+    _state.defer = getattr(_state, "defer", 0) + 1
+    try:
+        yield
+    finally:
+        _state.defer -= 1
+
+
+def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """model.state_dict() with each released weight as itself (materialized later)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zrw.checkpoint: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    with _deferred():
+        return model.state_dict()
+
+
+def _value(name: str, t: Tensor) -> Tensor:
+    """The tensor to save for state-dict entry `name`: a released weight's exact value
+    (bf16 of its FP32 master), else `t` itself."""
+    local = parallel.local_tensor(t)
+    if cache.cache_state(local) < 2:
+        return t
+    master = cache.master_of(local)
+    if master is None:
+        shown = cache.weight_name(local) or name
+        raise RuntimeError(
+            f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
+            "materialize it from; nothing more was written. Save after the optimizer step with "
+            "zrw.optim.MasterWeights, or restore the weights first with "
+            "zrw.cache.restore_all('master')")
+    with torch.no_grad():
+        return parallel.wrap_like(t, master.detach().to(t.dtype, copy=True))
+
+
+def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
+    """(name, tensor) for every entry of `model.state_dict()`, in its order. A released weight
+    is materialized (exactly, from its FP32 master) only when its turn comes; drop it before
+    asking for the next to keep at most one in memory. A released weight without a master
+    raises a named error when reached."""
+    for name, t in _plan(model).items():
+        yield name, _value(name, t)
+
+
+def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
+                     metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write `model.state_dict()` to `path` in the safetensors format, one tensor at a time: a
+    released weight is materialized from its FP32 master, written and dropped before the next.
+    `metadata` (str to str) goes into the header; None writes {"format": "pt"}, as
+    safetensors.torch does.
+    Every check (dtypes, masters, DTensors) runs before the file is opened, so a refused save
+    leaves an existing `path` untouched. Tensors that share storage (tied weights) are written
+    once per name."""
+    plan = _plan(model)
+    path = os.fspath(path)
+    if metadata is None:
+        metadata = {"format": "pt"}  # what safetensors.torch and transformers write
+    if not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise TypeError("zrw.checkpoint.save_safetensors: metadata must be a dict of str to str, "
+                        f"got {metadata!r}")
+    header: Dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    names = sorted(plan)
+    for name in names:
+        t = plan[name]
+        if not isinstance(t, Tensor):
+            raise TypeError(f"zrw.checkpoint.save_safetensors: state-dict entry '{name}' must "
+                            f"be a tensor, got {type(t).__name__}")
+        if parallel.is_dtensor(t):
+            raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' is a DTensor (a "
+                            "sharded model); save it with torch.distributed.checkpoint")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' has dtype {t.dtype}, "
+                            f"which safetensors cannot hold (supported: "
+                            f"{', '.join(str(d) for d in _DTYPES)})")
+        local = parallel.local_tensor(t)
+        if cache.cache_state(local) >= 2 and cache.master_of(local) is None:
+            _value(name, t)  # raises the named error before anything is written
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    tmp = f"{path}.zrw-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name in names:
+                value = _value(name, plan[name])
+                data = value.detach().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))  # no copy of the bytes
+                del value, data
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
