@@ -141,7 +141,7 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
             f.write(blob)
             for name in names:
                 value = _value(name, plan[name])
-                data = value.detach().contiguous().reshape(-1).view(torch.uint8)
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(data.numpy()))  # no copy of the bytes
                 del value, data
         os.replace(tmp, path)
