@@ -341,7 +341,7 @@ def plot(summaries: List[dict], path: str) -> None:
                 label="BF16 weights resident")
         ax.step(range(len(tl)), fp8, where="post", color="tab:purple", label="FP8 cache")
         xlabels(ax)
-        ax.set_title(f"{s['model']}: weight lifecycle, BF16-free step (released at the first "
+        ax.set_title(f"{s['model']}: weight lifecycle, BF16-free step\n(released at the first "
                      "use, never restored; FP8 copies dropped at the optimizer step)",
                      fontsize=10)
         ax.set_ylabel("MiB")
