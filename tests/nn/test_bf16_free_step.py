@@ -231,6 +231,26 @@ def test_streaming_save_refuses_before_it_touches_the_file(tmp_path):
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
         zrw.checkpoint.save_safetensors({}, str(path))
     cache.restore(lin.weight, "dequant")
+    with pytest.raises(TypeError, match=r"metadata must be a dict of str to str, got \{1: 2\}"):
+        zrw.checkpoint.save_safetensors(lin, str(path), metadata={1: 2})
+
+    class Odd(torch.nn.Module):
+        def __init__(self, extra):
+            super().__init__()
+            self.extra = extra
+            self.register_buffer("z", torch.zeros(2, dtype=torch.complex64))
+
+        def get_extra_state(self):
+            return self.extra
+
+    with pytest.raises(TypeError, match=r"'z' has dtype torch.complex64, which safetensors "
+                                        r"cannot hold \(supported: .*torch.bfloat16"):
+        zrw.checkpoint.save_safetensors(Odd(torch.ones(1)), str(path))
+    with pytest.raises(TypeError, match=r"state-dict entry '_extra_state' must be a tensor, "
+                                        r"got dict"):
+        zrw.checkpoint.save_safetensors(Odd({"step": 3}), str(path))
+    assert path.read_bytes() == b"the old checkpoint"
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_state_dict_materializes_each_weight_once_without_temporaries():
