@@ -9,6 +9,8 @@ as long as the caller keeps it. The calls here never hold more than one material
                                   drop before the next one is made
   save_safetensors(model, path)   a .safetensors file (loadable by safetensors.torch.load_file
                                   and transformers' from_pretrained), written tensor by tensor
+  materialize(p, master)          one released weight's exact value (bf16 of its master), as
+                                  the zrw layers' state_dict() and pickling also make it
 
 Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
 allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
@@ -64,12 +66,19 @@ def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
         return model.state_dict()
 
 
-def _value(name: str, t: Tensor) -> Tensor:
-    """The tensor to save for state-dict entry `name`: a released weight's exact value
-    (bf16 of its FP32 master), else `t` itself."""
+def materialize(p: Tensor, master: Tensor) -> Tensor:
+    """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its FP32
+    master; a DTensor weight gets a DTensor laid out as it is."""
+    with torch.no_grad():
+        return parallel.wrap_like(p, master.detach().to(p.dtype, copy=True))
+
+
+def _master(name: str, t: Tensor) -> Optional[Tensor]:
+    """The FP32 master of state-dict entry `name` if it is a released weight, None if it is
+    not released; a released weight without a master raises a named error."""
     local = parallel.local_tensor(t)
     if cache.cache_state(local) < 2:
-        return t
+        return None
     master = cache.master_of(local)
     if master is None:
         shown = cache.weight_name(local) or name
@@ -78,8 +87,14 @@ def _value(name: str, t: Tensor) -> Tensor:
             "materialize it from; nothing more was written. Save after the optimizer step with "
             "zrw.optim.MasterWeights, or restore the weights first with "
             "zrw.cache.restore_all('master')")
-    with torch.no_grad():
-        return parallel.wrap_like(t, master.detach().to(t.dtype, copy=True))
+    return master
+
+
+def _value(name: str, t: Tensor) -> Tensor:
+    """The tensor to save for state-dict entry `name`: a released weight's exact value, else
+    `t` itself."""
+    master = _master(name, t)
+    return t if master is None else materialize(t, master)
 
 
 def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
@@ -125,9 +140,7 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
             raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' has dtype {t.dtype}, "
                             f"which safetensors cannot hold (supported: "
                             f"{', '.join(str(d) for d in _DTYPES)})")
-        local = parallel.local_tensor(t)
-        if cache.cache_state(local) >= 2 and cache.master_of(local) is None:
-            _value(name, t)  # raises the named error before anything is written
+        _master(name, t)  # a released weight without a master: raises before any write
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}

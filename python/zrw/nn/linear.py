@@ -225,13 +225,6 @@ class ReleasedWeightsStateDict:
         return [(n, p, cache.master_of(parallel.local_tensor(p)))
                 for (n, p), st in zip(params, states) if st >= 2]
 
-    @staticmethod
-    def _materialize(p: Tensor, master: Tensor) -> Tensor:
-        """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its master;
-        a DTensor weight gets a DTensor laid out as it is."""
-        with torch.no_grad():
-            return parallel.wrap_like(p, master.detach().to(p.dtype, copy=True))
-
     def __getstate__(self):
         """Pickling and copy.deepcopy of the layer (`torch.save(model, path)`, an EMA or
         best-model copy between steps): a released weight with an FP32 master goes into the
@@ -246,7 +239,7 @@ class ReleasedWeightsStateDict:
         state = dict(state)  # nn.Module's is the instance's own __dict__
         params = state["_parameters"] = dict(state["_parameters"])
         for n, p, m in released:
-            params[n] = nn.Parameter(self._materialize(p, m), requires_grad=p.requires_grad)
+            params[n] = nn.Parameter(checkpoint.materialize(p, m), requires_grad=p.requires_grad)
         return state
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -271,7 +264,7 @@ class ReleasedWeightsStateDict:
                 "dequantization where no master exists)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n, p, m in released:
-            destination[prefix + n] = self._materialize(p, m)
+            destination[prefix + n] = checkpoint.materialize(p, m)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
