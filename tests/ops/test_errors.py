@@ -160,6 +160,9 @@ CASES = [
     # ---- mx_expand_block_scale (zrw.ops.expand_block_scale checks shape and leading dims)
     ("expand-block-scale-dim", lambda: ops.expand_block_scale(SCALE[:1, :2][None], (1, 4, 64), 0),
      IndexError, r"zrw\.mx_expand_block_scale: dim must be -1 .* or -2 .*, got 0$"),
+    ("expand-block-scale-negative-n",
+     lambda: torch.ops.zrw.mx_expand_block_scale(SCALE[:1, :2], -1, 64, -1), ValueError,
+     r"zrw\.mx_expand_block_scale: the weight's N and K must be non-negative, got N=-1, K=64"),
 ]
 
 
