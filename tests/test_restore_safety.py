@@ -382,6 +382,8 @@ def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_int
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=BF16),
                                 torch.nn.Linear(64, 32, dtype=BF16))
     zrw.convert(model, recipe, skip=())
+    # An optimizer with the boundary and no masters owns the weights (mid-step: no master).
+    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1), fill="dequant")
     path = tmp_path / "ckpt.pt"
     torch.save(model.state_dict(), path)
     old = path.read_bytes()

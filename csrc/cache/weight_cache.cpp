@@ -30,6 +30,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
@@ -210,6 +211,13 @@ class WeightCache {
     sweep_locked();
     c10::TensorImpl* key = w.unsafeGetTensorImpl();
     auto it = table_.find(key);
+    if (c10::InferenceMode::is_enabled()) {
+      // Tensors made under torch.inference_mode() can never be saved for backward, so an
+      // inference pass files nothing and releases nothing: it reads a current entry, or
+      // quantizes the weight (a released one: its master) for this call only.
+      return inference_copy_locked(w, it == table_.end() ? nullptr : &it->second, recipe,
+                                   elem_dtype, scale_mode);
+    }
     if (it != table_.end()) {
       Entry& e = it->second;
       const bool same_recipe = e.recipe == recipe && e.elem_dtype == elem_dtype &&
@@ -282,6 +290,30 @@ class WeightCache {
     auto out = e.tensors;
     table_.emplace(key, std::move(e));
     return out;
+  }
+
+  std::vector<at::Tensor> inference_copy_locked(const at::Tensor& w, Entry* e, Recipe recipe,
+                                                at::ScalarType elem_dtype,
+                                                const std::string& scale_mode) {
+    const bool same_recipe = e != nullptr && e->recipe == recipe &&
+                             e->elem_dtype == elem_dtype && e->scale_mode == scale_mode;
+    if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
+      if (!e->tensors.empty() && same_recipe) return e->tensors;
+      if (!e->tensors.empty()) {
+        TORCH_CHECK(false, "zrw.quant_and_release: weight '", e->name, "' is released with "
+                    "recipe ", recipe_name(e->recipe), " but was asked for another recipe; "
+                    "restore it first (zrw.cache.restore or the optimizer boundary)");
+      }
+      TORCH_CHECK(e->master.defined(), "zrw.quant_and_release: weight '", e->name,
+                  "' is released without an FP8 copy or a master (internal error)");
+      return quantize_from_master(e->master, e->dtype, recipe, elem_dtype, scale_mode);
+    }
+    if (e != nullptr && !e->released && same_recipe && e->step == step_ &&
+        e->version == w.unsafeGetTensorImpl()->version_counter().current_version() &&
+        e->status != kSkipNoGrad) {
+      return e->tensors;
+    }
+    return quantize(w, recipe, elem_dtype, scale_mode);
   }
 
   // Restores one released weight (DESIGN.md §8: a weight that is not released is an error).

@@ -17,6 +17,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTensor)
 from . import _autograd  # noqa: E402,F401  (the MX ops refuse inputs that require grad)
+from . import _released_queries  # noqa: E402,F401  (is_shared of a released weight: no abort)
 from . import config, ops, planes, reference  # noqa: E402,F401
 from . import cache  # noqa: E402,F401
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401

@@ -30,7 +30,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 from . import _C
 from ._dtensor import local_tensor as _local
@@ -82,13 +82,16 @@ def _check_weight(op: str, w, arg: str = "w") -> Tensor:
 
 
 def _check_fill(op: str, fill) -> None:
+    if not isinstance(fill, str):
+        raise TypeError(f"{op}: fill must be a str, one of {FILLS}, got {type(fill).__name__}")
     if fill not in FILLS:
         raise ValueError(f"{op}: fill must be one of {FILLS}, got {fill!r}")
 
 
 def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
-    if isinstance(ts, Tensor) or not isinstance(ts, Iterable):
-        raise TypeError(f"{op}: {arg} must be an iterable of tensors, got {type(ts).__name__}")
+    if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
+        raise TypeError(f"{op}: {arg} must be an iterable of tensors (a list, not a single "
+                        f"tensor, name or dict), got {type(ts).__name__}")
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
@@ -102,6 +105,7 @@ def quant_and_release(
     elem_dtype: torch.dtype = E4M3,
     scale_mode: str = "floor",
     name: Optional[str] = None,
+    require_owner: bool = False,
 ) -> MXWeight:
     """The fused op of zero-redundancy weights: cache lookup; on a miss quantize, insert, release.
 
@@ -115,10 +119,30 @@ def quant_and_release(
     filed. `name` appears in the error raised by any access to the released weight; None takes
     the name set with `set_weight_name` (the layers set their parameters' names there, so that
     a compiled forward never reads a per-layer string and recompiles for each layer).
+    require_owner=True (what the zrw layers pass): a trainable weight is released only when
+    `is_owned(w)`, i.e. an optimizer with the zrw boundary steps it or it has an FP32 master;
+    any other is cached but keeps its BF16 storage (readable, and restorable exactly).
     """
+    op = "zrw.cache.quant_and_release"
     trainable = w.requires_grad if isinstance(w, Tensor) else False
-    w = _check_weight("zrw.cache.quant_and_release", w)  # a DTensor: its local shard
+    w = _check_weight(op, w)  # a DTensor: its local shard
+    if not isinstance(recipe, str):
+        raise TypeError(f"{op}: recipe must be a str, one of {RECIPES}, got "
+                        f"{type(recipe).__name__}")
+    for arg, flag in (("release", release), ("release_frozen", release_frozen)):
+        if not isinstance(flag, (bool, int)):
+            raise TypeError(f"{op}: {arg} must be a bool, got {type(flag).__name__}")
+    if not isinstance(elem_dtype, torch.dtype):
+        raise TypeError(f"{op}: elem_dtype must be a torch.dtype (torch.float8_e4m3fn or "
+                        f"torch.float8_e5m2), got {type(elem_dtype).__name__}")
+    if not isinstance(scale_mode, str):
+        raise TypeError(f"{op}: scale_mode must be a str, got {type(scale_mode).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{op}: name must be a str or None, got {type(name).__name__}")
     release = release and release_enabled()
+    if (release and require_owner and trainable and torch.is_grad_enabled()
+            and not is_owned(w)):
+        release = False  # nothing would write it back or restore it exactly: keep its BF16
     if name is None:
         name = weight_name(w)
     elif name and not weight_name(w):
@@ -136,6 +160,7 @@ def trainable_as(w: Tensor, trainable: bool) -> Iterator[None]:
     DTensor does), counts as the trainable leaf it stands for when `trainable`, so that the
     release guard releases it until the optimizer boundary instead of treating it as frozen.
     Only under grad mode; a tensor that already requires grad is left as it is."""
+    _check_tensor("zrw.cache.trainable_as", "w", w)
     flip = trainable and not w.requires_grad and torch.is_grad_enabled()
     if flip:
         w.requires_grad_(True)
@@ -148,18 +173,119 @@ def trainable_as(w: Tensor, trainable: bool) -> Iterator[None]:
 
 def set_weight_name(w: Tensor, name: str) -> None:
     """Name `w` for zrw's messages (the release poison, cache_entries) where a call passes none."""
-    _local(w)._zrw_name = name
+    w = _check_tensor("zrw.cache.set_weight_name", "w", w)
+    if not isinstance(name, str):
+        raise TypeError(f"zrw.cache.set_weight_name: name must be a str, got "
+                        f"{type(name).__name__}")
+    w._zrw_name = name
 
 
 def weight_name(w: Tensor) -> str:
     """The name set with `set_weight_name`, or ""."""
-    return getattr(_local(w), "_zrw_name", "") or ""
+    return getattr(_check_tensor("zrw.cache.weight_name", "w", w), "_zrw_name", "") or ""
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # elements compared at a time: the check's transient stays small
+
+
+def weight_signature(p: torch.Tensor):
+    """What changes when a parameter is written through autograd-visible ops (its version) or
+    gets new data (`p.data = t`, a cast): read without touching a released weight's bytes."""
+    return (p._version, p.untyped_storage()._cdata, p.dtype, p.device, tuple(p.shape),
+            tuple(p.stride()), p.storage_offset())
+
+
+def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
+    """Whether p's bits are exactly m.to(p.dtype) (what the write-back wrote): catches writes
+    that bump no version (through `.data`). Compared in chunks of _CHUNK elements."""
+    if p.shape != m.shape or p.device != m.device or p.element_size() not in _BITS:
+        return False
+    bits = _BITS[p.element_size()]
+    pf, mf = p.detach().reshape(-1), m.detach().reshape(-1)
+    for i in range(0, pf.numel(), _CHUNK):
+        a = pf[i:i + _CHUNK].contiguous()
+        b = mf[i:i + _CHUNK].to(p.dtype)
+        if not torch.equal(a.view(bits), b.view(bits)):
+            return False
+    return True
+
+
+
+# Trainable weights whose optimizer has the zrw boundary (zrw.optim.attach): weight -> a weak
+# reference to that optimizer. With the masters registered by MasterWeights, this is what
+# `is_owned` reads: the zrw layers release a trainable weight only when something will write
+# it back exactly or restore it at a boundary, never one that no optimizer owns (it would stay
+# released for good, readable only as its lossy FP8 dequantization).
+_owners = WeakIdKeyDictionary()
+_owners_lock = threading.Lock()
+
+
+def register_owner(weights: Iterable[Tensor], optimizer) -> None:
+    """Record that `optimizer` (with the zrw boundary) steps these weights (zrw.optim.attach
+    calls it)."""
+    ws = _tensor_list("zrw.cache.register_owner", "weights", weights)
+    ref = weakref.ref(optimizer)
+    with _owners_lock:
+        for w in ws:
+            _owners[w] = ref
+
+
+def unregister_owner(weights: Iterable[Tensor], optimizer) -> None:
+    """Forget `optimizer` as the owner of these weights (zrw.optim.detach)."""
+    ws = _tensor_list("zrw.cache.unregister_owner", "weights", weights)
+    with _owners_lock:
+        for w in ws:
+            ref = _owners.get(w)
+            if ref is not None and ref() is optimizer:
+                del _owners[w]
+
+
+def is_owned(w: Tensor) -> bool:
+    """Whether a live optimizer with the zrw boundary steps `w`, or `w` has an FP32 master
+    (MasterWeights, register_master): then a release of `w` ends at that optimizer's boundary
+    or is undone exactly from the master."""
+    w = _check_tensor("zrw.cache.is_owned", "w", w)
+    with _owners_lock:
+        ref = _owners.get(w)
+    opt = None if ref is None else ref()
+    if opt is not None and getattr(opt, "_zrw_boundary_hooks", None) is not None:
+        return True
+    return master_of(w) is not None
 
 
 # Masters registered by zrw.optim.MasterWeights: weight -> a weak reference to its FP32 master,
-# keyed weakly by identity (a WeakKeyDictionary would compare tensors with ==, elementwise).
-# Weak both ways: the optimizer owns its masters; a deleted optimizer takes them with it.
-_masters = WeakIdKeyDictionary()
+# keyed weakly by identity (WeakIdRef: a weak key compared by == would compare tensors
+# elementwise). Weak both ways: the optimizer owns its masters; a deleted optimizer takes them
+# with it, and a weight that dies drops its entry (_drop_master, from the garbage collector).
+#
+# Threads: optimizers are built and torn down on any thread while others restore (issue 19:
+# restore_all iterated the registry while a MasterWeights inserted into it, "dictionary changed
+# size during iteration"). Every insert and lookup holds _masters_lock, and nothing ever
+# iterates the dict: readers take a snapshot (_registered_masters: one list() of the items,
+# atomic under the GIL, so that also a removal from the collector cannot interleave). The
+# collector's removal takes no lock (a single dict.pop, atomic under the GIL): it may run in
+# any thread, also inside a locked section, and must never wait for the lock.
+_masters: Dict[WeakIdRef, "weakref.ref[Tensor]"] = {}
+_masters_lock = threading.RLock()
+
+
+def _drop_master(key: WeakIdRef) -> None:
+    _masters.pop(key, None)
+
+
+def _registered_masters() -> List[tuple]:
+    """A snapshot of the registry: (weight, master) for each weight whose registered master is
+    alive, with strong references, so that an optimizer torn down meanwhile cannot take a
+    master away from a restore that already chose it."""
+    with _masters_lock:
+        items = list(_masters.items())
+    pairs = []
+    for key, ref in items:
+        w, m = key(), ref()
+        if w is not None and m is not None:
+            pairs.append((w, m))
+    return pairs
 
 
 def register_master(weight: Tensor, master: Tensor) -> None:
@@ -169,7 +295,11 @@ def register_master(weight: Tensor, master: Tensor) -> None:
     if master.shape != weight.shape:
         raise ValueError(f"zrw.cache.register_master: master must have the weight's shape "
                          f"{tuple(weight.shape)}, got {tuple(master.shape)}")
-    _masters[weight] = weakref.ref(master)
+    ref = weakref.ref(master)
+    with _masters_lock:
+        # A weight registered again keeps its key (and its removal callback); only the master
+        # changes.
+        _masters[WeakIdRef(weight, _drop_master)] = ref
 
 
 def master_of(weight: Tensor) -> Optional[Tensor]:
@@ -177,7 +307,8 @@ def master_of(weight: Tensor) -> Optional[Tensor]:
     entry holds while it is released after a keep_released write-back, or None. (For a DTensor
     weight: its local shard's master.)"""
     weight = _check_tensor("zrw.cache.master_of", "weight", weight)
-    ref = _masters.get(weight)
+    with _masters_lock:
+        ref = _masters.get(WeakIdRef(weight))
     master = None if ref is None else ref()
     return cache_master(weight) if master is None else master
 
@@ -282,11 +413,15 @@ def restore_all(fill: str = "master") -> int:
         return torch.ops.zrw.restore_all(fill, [])
     errors = []
     n = 0
-    # The weights with a live master first (restore_weights skips frozen entries), then the rest.
-    with_master = [w for w in list(_masters.keys()) if master_of(w) is not None]
+    # The weights with a live master first (restore_weights skips frozen entries), then the rest
+    # (a weight whose cache entry keeps its master is restored from it exactly there too).
+    # A snapshot with strong references: optimizers built or deleted on other threads meanwhile
+    # change neither the set of weights nor their masters under this call.
+    pairs = _registered_masters()
+    with_master = [w for w, _ in pairs]
     failed: List[Tensor] = []
     try:
-        n += restore_weights(with_master, "master")
+        n += torch.ops.zrw.restore_weights(with_master, "master", [m for _, m in pairs])
     except RuntimeError as e:
         errors.append(str(e))
         # Those left released keep their entries: the lossy fill below must not reach them.
@@ -315,11 +450,13 @@ def cache_states(weights: Iterable[Tensor]) -> List[int]:
 
 def is_released(w: Tensor) -> bool:
     """Whether w's BF16 storage is currently released by zrw."""
+    _check_tensor("zrw.cache.is_released", "w", w)
     return cache_state(w) >= 2
 
 
 def is_cached(w: Tensor) -> bool:
     """Whether the cache holds an FP8 copy of w."""
+    _check_tensor("zrw.cache.is_cached", "w", w)
     return cache_state(w) != 0
 
 

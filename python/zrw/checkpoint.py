@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import threading
+import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -68,7 +69,19 @@ def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
 
 def materialize(p: Tensor, master: Tensor) -> Tensor:
     """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its FP32
-    master; a DTensor weight gets a DTensor laid out as it is."""
+    master; a DTensor weight gets a DTensor laid out as it is. `master` is the master of p's
+    local tensor (zrw.cache.master_of), of its shape."""
+    op = "zrw.checkpoint.materialize"
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{op}: p must be a torch.Tensor (the released weight), got "
+                        f"{type(p).__name__}")
+    if not isinstance(master, Tensor):
+        raise TypeError(f"{op}: master must be a torch.Tensor (p's FP32 master, e.g. "
+                        f"zrw.cache.master_of(p)), got {type(master).__name__}")
+    local = parallel.local_tensor(p)
+    if parallel.local_tensor(master).shape != local.shape:
+        raise ValueError(f"{op}: master must have the shape of p's local tensor "
+                         f"{tuple(local.shape)}, got {tuple(master.shape)}")
     with torch.no_grad():
         return parallel.wrap_like(p, master.detach().to(p.dtype, copy=True))
 
@@ -92,7 +105,9 @@ def _master(name: str, t: Tensor) -> Optional[Tensor]:
 
 def _value(name: str, t: Tensor) -> Tensor:
     """The tensor to save for state-dict entry `name`: a released weight's exact value, else
-    `t` itself."""
+    `t` itself (also when it is not a tensor: a module's extra state)."""
+    if not isinstance(t, Tensor):
+        return t
     master = _master(name, t)
     return t if master is None else materialize(t, master)
 
@@ -101,9 +116,17 @@ def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     """(name, tensor) for every entry of `model.state_dict()`, in its order. A released weight
     is materialized (exactly, from its FP32 master) only when its turn comes; drop it before
     asking for the next to keep at most one in memory. A released weight without a master
-    raises a named error when reached."""
-    for name, t in _plan(model).items():
-        yield name, _value(name, t)
+    raises a named error when reached. A `model` that is not an nn.Module raises TypeError at
+    the call, before anything is iterated."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zrw.checkpoint.iter_state_dict: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+
+    def entries() -> Iterator[Tuple[str, Tensor]]:
+        for name, t in _plan(model).items():
+            yield name, _value(name, t)
+
+    return entries()
 
 
 def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
@@ -114,9 +137,30 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
     safetensors.torch does.
     Every check (dtypes, masters, DTensors) runs before the file is opened, so a refused save
     leaves an existing `path` untouched. Tensors that share storage (tied weights) are written
-    once per name."""
-    plan = _plan(model)
+    once per name. `path` is a str or an os.PathLike giving a str (as safetensors.torch takes;
+    a bytes path is refused); its directory must exist. The bytes go to a temporary file of
+    the same directory, unique to this call, which replaces `path` atomically (os.replace) once
+    complete: concurrent saves to one path (threads or processes) each write their own file,
+    and `path` ends as one of them, whole."""
+    op = "zrw.checkpoint.save_safetensors"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
+                        + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else ""))
     path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"{op}: path must be a str or an os.PathLike giving a str, got an "
+                        f"os.PathLike giving {type(path).__name__}")
+    if not path:
+        raise ValueError(f"{op}: path must name a file, got ''")
+    if os.path.isdir(path):
+        raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist "
+                                f"({folder!r})")
+    plan = _plan(model)
     if metadata is None:
         metadata = {"format": "pt"}  # what safetensors.torch and transformers write
     if not (isinstance(metadata, dict) and all(
@@ -147,9 +191,12 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    tmp = f"{path}.zrw-tmp-{os.getpid()}"
+    # Unique per call (process, thread, and a random part), created exclusively ("xb").
+    tmp = f"{path}.zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}"
+    created = False
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
+            created = True
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for name in names:
@@ -159,5 +206,5 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
                 del value, data
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if created and os.path.exists(tmp):
             os.remove(tmp)

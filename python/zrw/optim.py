@@ -63,18 +63,52 @@ def _as_group_list(params: Any) -> List[Dict[str, Any]]:
     if isinstance(params, torch.Tensor):
         raise TypeError("MasterWeights: params must be an iterable of tensors or of param-group "
                         f"dicts, got a single {type(params).__name__}")
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise TypeError("MasterWeights: params must be an iterable of tensors or of param-group "
+                        f"dicts (e.g. model.parameters()), got {type(params).__name__}")
     groups = list(params)
     if not groups:
         raise ValueError("MasterWeights: got an empty parameter list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     out = []
-    for g in groups:
+    for gi, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"MasterWeights: param group {gi} must be a dict with 'params' (as "
+                            f"group 0 is), got {type(g).__name__}"
+                            + (f" with keys {sorted(map(str, g))}" if isinstance(g, dict) else ""))
         g = dict(g)
         ps = g["params"]
+        if (not isinstance(ps, torch.Tensor)
+                and (isinstance(ps, (str, bytes, dict)) or not isinstance(ps, Iterable))):
+            raise TypeError(f"MasterWeights: param group {gi}'s 'params' must be a tensor or an "
+                            f"iterable of tensors, got {type(ps).__name__}")
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for pi, p in enumerate(g["params"]):
+            if not isinstance(p, torch.Tensor):
+                where = f"params[{pi}]" if len(groups) == 1 else \
+                    f"param_groups[{gi}]['params'][{pi}]"
+                raise TypeError(f"MasterWeights: {where} must be a tensor, got "
+                                f"{type(p).__name__}")
         out.append(g)
+    _refuse_duplicates(out)
     return out
+
+
+def _refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, str]] = None
+                       ) -> None:
+    """A parameter listed twice would get two FP32 masters, and the one written back last
+    would win: refused (torch warns within a group and refuses across groups)."""
+    seen = {} if seen is None else dict(seen)
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            if id(p) in seen:
+                raise ValueError(
+                    f"MasterWeights: {where} (shape {tuple(p.shape)}) is the same parameter as "
+                    f"{seen[id(p)]}: each parameter must be listed once (one FP32 master per "
+                    "parameter); pass model.parameters() or de-duplicate the list")
+            seen[id(p)] = where
 
 
 def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
@@ -117,9 +151,19 @@ class MasterWeights(torch.optim.Optimizer):
 
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], params: Iterable,
                  *, keep_released: bool = True, **kwargs: Any):
+        if isinstance(optimizer_cls, torch.optim.Optimizer):
+            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                            f"subclass (it is built over the FP32 masters), got an instance of "
+                            f"{type(optimizer_cls).__name__}: pass the class and its arguments")
+        if isinstance(optimizer_cls, type) and not issubclass(optimizer_cls,
+                                                               torch.optim.Optimizer):
+            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                            f"subclass (or a callable that returns an optimizer), got the class "
+                            f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}")
         if not callable(optimizer_cls):
-            raise TypeError(f"MasterWeights: optimizer_cls must be an optimizer class, got "
-                            f"{optimizer_cls!r}")
+            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                            f"subclass (or a callable that returns an optimizer), got "
+                            f"{type(optimizer_cls).__name__} {optimizer_cls!r}")
         if not isinstance(keep_released, bool):
             raise TypeError(f"MasterWeights: keep_released must be a bool, got "
                             f"{type(keep_released).__name__}")
@@ -128,11 +172,18 @@ class MasterWeights(torch.optim.Optimizer):
         self.keep_released = keep_released
         self.masters: List[List[torch.Tensor]] = []
         self._ready = False
+        self._keep_grads = False  # zero_grad(set_to_none=False) seen: keep the BF16 grads
+        self._freed: List[Any] = []  # (param, master) whose grad this step freed
+        self._freed_last: List[Any] = []  # ... and the last successful one
+        self._written: List[Any] = []
         inner_groups = []
         for g in groups:
             masters = self._make_masters(g["params"])
             inner_groups.append({**_hyper(g), "params": masters})
         self.inner = optimizer_cls(inner_groups, **kwargs)
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise TypeError(f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
+                            f"torch.optim.Optimizer, got {type(self.inner).__name__}")
         # The outer groups take the inner optimizer's defaults (lr, betas, ...), so that what a
         # scheduler reads and writes is there; their params are the model's.
         super().__init__(groups, dict(self.inner.defaults))
@@ -140,6 +191,7 @@ class MasterWeights(torch.optim.Optimizer):
             self.masters.append(masters)
         self._pull_hyperparameters()
         self._register_masters()
+        self._record_written()
         self._ready = True
 
     @staticmethod
@@ -173,7 +225,13 @@ class MasterWeights(torch.optim.Optimizer):
                 ig[k] = v
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)  # validates, fills the defaults, no duplicates
+        if self._ready and isinstance(param_group, dict) and "params" in param_group:
+            ps = param_group["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            param_group = {**param_group, "params": ps}
+            # Within the group (torch refuses a parameter of another group itself).
+            _refuse_duplicates([param_group])
+        super().add_param_group(param_group)  # validates, fills the defaults
         if not self._ready:
             return  # __init__: the inner optimizer already has this group
         group = self.param_groups[-1]
@@ -186,20 +244,84 @@ class MasterWeights(torch.optim.Optimizer):
         self.masters.append(self.inner.param_groups[-1]["params"])
         self._pull_hyperparameters()
         self._register_masters(len(self.param_groups) - 1)
+        self._record_written()
 
-    def _grads_to_masters(self) -> None:
-        """FP32 gradients of the masters; each BF16 gradient is freed once converted, so the
-        BF16 gradients and their FP32 copies never coexist in full."""
+    # -- masters follow every write to the parameters -------------------------------------
+    #
+    # Between two write-backs a parameter may be written by anything: model.load_state_dict
+    # (strict or not), model.apply(init_fn), an in-place write under no_grad or through
+    # `.data`, a dtype cast (`p.data = p.float()`). Its master must then take the new value,
+    # as the optimizer of a release-off run or of plain PyTorch would step it. After each
+    # write-back every parameter is exactly master.to(p.dtype); before each step (and before
+    # the masters are saved) a parameter whose version counter, storage, dtype or bits differ
+    # from that is copied into its master. A released weight cannot be written (its storage is
+    # poisoned): its master is the one the layers' load path writes.
+
+    def _pairs(self):
         for group, masters in zip(self.param_groups, self.masters):
             for p, m in zip(group["params"], masters):
-                g = getattr(p, "main_grad", None)
-                if g is not None:
-                    m.grad = g.to(torch.float32)
+                yield p, m
+
+    def _record_written(self) -> None:
+        """After a write-back: what each parameter looks like when it is bf16 of its master."""
+        self._written = [cache.weight_signature(local_tensor(p)) for p, _ in self._pairs()]
+
+    def _sync_masters(self) -> int:
+        """Copy into its master every parameter written since the last write-back. Returns the
+        number of masters updated."""
+        pairs = [(local_tensor(p), local_tensor(m)) for p, m in self._pairs()]
+        if not pairs:
+            return 0
+        states = cache.cache_states([p for p, _ in pairs])
+        written = getattr(self, "_written", None) or [None] * len(pairs)
+        n = 0
+        with torch.no_grad():
+            for (p, m), st, before in zip(pairs, states, written):
+                if st >= 2:
+                    continue  # released: unwritable (the layers update its master on a load,
+                    # an apply or a cast, when they restore it)
+                sig = cache.weight_signature(p)
+                if sig == before and cache.holds_master(p, m):
                     continue
-                g = p.grad
-                m.grad = None if g is None else g.to(torch.float32)
+                if p.shape != m.shape:
+                    raise RuntimeError(
+                        f"MasterWeights: parameter '{cache.weight_name(p) or tuple(m.shape)}' "
+                        f"changed shape from {tuple(m.shape)} to {tuple(p.shape)} after the "
+                        "optimizer was built; build a new optimizer for the new parameters")
+                m.copy_(p.detach())
+                n += 1
+        return n
+
+    def _grads_to_masters(self) -> None:
+        """FP32 gradients of the masters. Each BF16 gradient is freed once converted (so the
+        BF16 gradients and their FP32 copies never coexist in full), unless the gradients are
+        kept between steps (zero_grad(set_to_none=False), as torch keeps them); a failed step
+        gives them back (_return_grads). A `main_grad` (FP32, accumulated by the layers) is
+        read as it is, and cleared once the step succeeded."""
+        self._freed = []
+        for p, m in self._pairs():
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                m.grad = g.to(torch.float32)
+                continue
+            g = p.grad
+            if g is None:
+                m.grad = None
+                continue
+            m.grad = g.to(torch.float32)
+            if not self._keep_grads:
                 p.grad = None
-                del g
+                self._freed.append((p, m))
+            del g
+
+    def _return_grads(self) -> None:
+        """After a failed step: the parameters get back the gradients converted for it (exact:
+        fp32 holds every bf16/fp16 value), so that a retried step() steps what this one would
+        have."""
+        for p, m in getattr(self, "_freed", ()):
+            if p.grad is None and m.grad is not None:
+                p.grad = m.grad.to(p.dtype)
+        self._freed = []
 
     def _drop_stale_copies(self) -> None:
         """Before the inner step the FP8 copies are dead weight (the step changes every
@@ -228,31 +350,47 @@ class MasterWeights(torch.optim.Optimizer):
         masters = [m for ms in self.masters for m in ms]
         # A DTensor parameter (tensor / expert parallelism): its local shard gets the local
         # shard of its DTensor master.
-        cache.assign_weights(local_tensors(params), local_tensors(masters),
-                             keep_released=self.keep_released)
+        try:
+            cache.assign_weights(local_tensors(params), local_tensors(masters),
+                                 keep_released=self.keep_released)
+        finally:
+            self._record_written()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._push_hyperparameters()
+        self._sync_masters()
         self._drop_stale_copies()
+        ok = False
         try:
             if closure is None:
                 self._grads_to_masters()
-                return self.inner.step()
-            evaluations = 0
+                loss = self.inner.step()
+            else:
+                evaluations = 0
 
-            def inner_closure():
-                nonlocal evaluations
-                if evaluations:  # the inner optimizer moved the masters since the last call
-                    self._write_back()
-                evaluations += 1
-                with torch.enable_grad():
-                    loss = closure()
-                self._grads_to_masters()
-                return loss
+                def inner_closure():
+                    nonlocal evaluations
+                    if evaluations:  # the inner optimizer moved the masters since the last call
+                        self._write_back()
+                    evaluations += 1
+                    with torch.enable_grad():
+                        loss = closure()
+                    self._grads_to_masters()
+                    return loss
 
-            return self.inner.step(inner_closure)
+                loss = self.inner.step(inner_closure)
+            ok = True
+            return loss
         finally:
+            if not ok:
+                # The gradients go back to the parameters, so that step() can be retried.
+                self._return_grads()
+            else:
+                self._freed_last, self._freed = self._freed, []
+                for p, _ in self._pairs():
+                    if getattr(p, "main_grad", None) is not None:
+                        p.main_grad = None  # consumed, as .grad is
             # Also after an exception: every parameter holds bf16 of its (possibly partly
             # stepped) master, never uninitialized memory.
             self._write_back()
@@ -261,6 +399,14 @@ class MasterWeights(torch.optim.Optimizer):
                     m.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim.Optimizer.zero_grad, also for `main_grad`. With set_to_none=False the
+        gradients stay allocated between steps, as torch keeps them: step() no longer frees
+        the BF16 gradients it converted, and those it freed before come back as zeros (so a
+        parameter that gets no gradient in the next backward is stepped with a zero gradient,
+        as torch's optimizer steps it)."""
+        if not isinstance(set_to_none, bool):
+            raise TypeError(f"MasterWeights.zero_grad: set_to_none must be a bool, got "
+                            f"{type(set_to_none).__name__}")
         for group in self.param_groups:
             for p in group["params"]:
                 if getattr(p, "main_grad", None) is not None:
@@ -268,11 +414,18 @@ class MasterWeights(torch.optim.Optimizer):
                         p.main_grad = None
                     else:
                         p.main_grad.zero_()
+        if not set_to_none:
+            self._keep_grads = True
+            for p, _ in self._freed_last:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._freed_last = []
         super().zero_grad(set_to_none)
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
         self._push_hyperparameters()
+        self._sync_masters()  # a model loaded since the last step: its values are the masters
         return {
             "inner": self.inner.state_dict(),
             "masters": [[m.clone() for m in ms] for ms in self.masters],
@@ -359,6 +512,9 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zrw.optim.attach: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if fill is not None and not isinstance(fill, str):
+        raise TypeError(f"zrw.optim.attach: fill must be None or a str, one of {cache.FILLS}, "
+                        f"got {type(fill).__name__}")
     if fill is not None and fill not in cache.FILLS:
         raise ValueError(f"zrw.optim.attach: fill must be one of {cache.FILLS}, got {fill!r}")
     if not isinstance(own_masters, bool):
@@ -386,6 +542,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
         raise RuntimeError("zrw.optim.attach: this optimizer already has the zrw boundary")
 
     def pre_hook(opt, args, kwargs):
+        cache.register_owner(local_tensors(_params_of(opt)), opt)  # add_param_group
         _run_boundary_callbacks(opt)
         if not masters:
             cache.restore_weights(local_tensors(_params_of(opt)), fill)
@@ -397,13 +554,18 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     handles = (optimizer.register_step_pre_hook(pre_hook),
                optimizer.register_step_post_hook(post_hook))
     setattr(optimizer, _HOOKS_ATTR, handles)
+    cache.register_owner(local_tensors(_params_of(optimizer)), optimizer)
     return optimizer
 
 
 def detach(optimizer: torch.optim.Optimizer) -> None:
     """Remove the boundary hooks that attach() installed, and leave zero-redundancy for the
     optimizer's parameters: those released with an FP32 master (MasterWeights, or registered
-    with zrw.cache.register_master) get their BF16 values back exactly."""
+    with zrw.cache.register_master) get their BF16 values back exactly. An optimizer without the
+    boundary is left as it is; anything that is not an optimizer raises TypeError."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zrw.optim.detach: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     handles = getattr(optimizer, _HOOKS_ATTR, None)
     if handles is None:
         return
@@ -415,6 +577,7 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     for h in handles:
         h.remove()
     setattr(optimizer, _HOOKS_ATTR, None)
+    cache.unregister_owner(params, optimizer)
 
 
 def _refuse_released_params(optimizer, args, kwargs) -> None:

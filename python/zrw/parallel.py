@@ -35,26 +35,65 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import cache
-from ._dtensor import _dtensor_cls, is_dtensor, local_tensor  # noqa: F401 (zrw.parallel's API)
+from ._dtensor import _dtensor_cls, is_dtensor  # noqa: F401 (zrw.parallel's API)
+from ._dtensor import local_tensor as _local_tensor
 from .config import QuantRecipe
 
 BLOCK = 32
 
 
+def _check_tensor(op: str, arg: str, t) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_dtensor(op: str, arg: str, t) -> Tensor:
+    if not is_dtensor(t):
+        raise TypeError(f"{op}: {arg} must be a DTensor (torch.distributed.tensor), got "
+                        f"{'a plain ' if isinstance(t, Tensor) else ''}{type(t).__name__}")
+    return t
+
+
+def _check_recipe(op: str, recipe) -> QuantRecipe:
+    if not isinstance(recipe, QuantRecipe):
+        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
+                        f"{type(recipe).__name__}")
+    return recipe
+
+
+def _check_module(op: str, model) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The tensor zrw's cache works on: a DTensor's local shard (the tensor that owns the rank's
+    storage, not a `to_local()` view of it), any other tensor itself."""
+    return _local_tensor(_check_tensor("zrw.parallel.local_tensor", "t", t))
+
+
 def local_tensors(ts) -> List[Tensor]:
-    return [local_tensor(t) for t in ts]
+    """local_tensor of each tensor of the iterable `ts` (a list, not a single tensor)."""
+    op = "zrw.parallel.local_tensors"
+    if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
+        raise TypeError(f"{op}: ts must be an iterable of tensors (a list, not a single tensor, "
+                        f"name or dict), got {type(ts).__name__}")
+    return [_local_tensor(_check_tensor(op, f"ts[{i}]", t)) for i, t in enumerate(ts)]
 
 
 def engine_view_owner(w: Tensor) -> Optional[Tensor]:
     """If `w` is a `DTensor.to_local()` view made in a grad-mode forward (transformers' expert
     styles swap a module's DTensor parameters for such views while its forward runs), the local
     tensor it views; else None."""
+    _check_tensor("zrw.parallel.engine_view_owner", "w", w)
     base = getattr(w, "_base", None)
     if base is None or w.grad_fn is None:
         return None
@@ -69,6 +108,7 @@ def engine_view_owner(w: Tensor) -> Optional[Tensor]:
 def main_grad_owner(weight: Tensor) -> Tensor:
     """The parameter that accumulates `weight`'s main_grad: for an engine's to_local() view,
     the DTensor parameter it shows (recorded by `prepare`); else `weight` itself."""
+    _check_tensor("zrw.parallel.main_grad_owner", "weight", weight)
     base = engine_view_owner(weight)
     ref = getattr(base, "_zrw_dtensor", None) if base is not None else None
     param = ref() if ref is not None else None
@@ -82,10 +122,13 @@ def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release
     view of it) is (zrw.cache.trainable_as)."""
     from .nn.linear import cache_recipe
 
+    _check_tensor("zrw.parallel.quant_local", "owner", owner)
+    _check_recipe("zrw.parallel.quant_local", recipe)
     with cache.trainable_as(owner, requires_grad):
         return cache.quant_and_release(owner, cache_recipe(recipe), release,
                                        release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
-                                       scale_mode=recipe.scale_mode, name=name)
+                                       scale_mode=recipe.scale_mode, name=name,
+                                       require_owner=True)
 
 
 def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release: bool,
@@ -93,6 +136,8 @@ def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release:
     """The planes of a weight the engine handed to forward as a `to_local()` view: those of
     its local tensor, which `prepare`'s pre-hook quantized (and released) before the view
     existed."""
+    _check_tensor("zrw.parallel.quant_engine_view", "view", view)
+    _check_tensor("zrw.parallel.quant_engine_view", "owner", owner)
     if not getattr(owner, "_zrw_prepared", False):
         shown = name or cache.weight_name(owner) or f"<weight of local shape {tuple(owner.shape)}>"
         raise RuntimeError(
@@ -120,6 +165,10 @@ def _shard_info(p) -> Tuple[Optional[int], int]:
 def check_placements(w: Tensor, name: str) -> None:
     """A zrw weight that is a DTensor: a 1-d mesh, one Shard / _StridedShard / Replicate
     placement, and shards holding whole 32-element blocks along both blocked axes."""
+    _check_dtensor("zrw.parallel.check_placements", "w", w)
+    if not isinstance(name, str):
+        raise TypeError(f"zrw.parallel.check_placements: name must be a str, got "
+                        f"{type(name).__name__}")
     mesh = w.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -163,6 +212,8 @@ def check_placements(w: Tensor, name: str) -> None:
 def wrap_like(param: Tensor, local: Tensor) -> Tensor:
     """A local tensor (e.g. an FP32 gradient of the local shard) as a DTensor laid out like
     `param`; `local` itself when `param` is not a DTensor."""
+    _check_tensor("zrw.parallel.wrap_like", "param", param)
+    _check_tensor("zrw.parallel.wrap_like", "local", local)
     if not is_dtensor(param):
         return local
     return _dtensor_cls().from_local(local, param.device_mesh, param.placements,
@@ -186,6 +237,12 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
 
     from .nn.linear import apply_mx_linear
 
+    op = "zrw.parallel.dtensor_linear"
+    _check_dtensor(op, "weight", weight)
+    _check_tensor(op, "x", x)
+    if bias is not None:
+        _check_tensor(op, "bias", bias)
+    _check_recipe(op, recipe)
     owner = weight._local_tensor
     name = name or cache.weight_name(owner) or cache.weight_name(weight) or None
     shown = name or "MXLinear.weight"
@@ -305,6 +362,7 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
     a step. Returns what this rank holds (ParallelSummary). Idempotent."""
     from .nn.convert import is_zrw_layer
 
+    _check_module("zrw.parallel.prepare", model)
     summary = ParallelSummary()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         summary.rank = torch.distributed.get_rank()
@@ -353,9 +411,18 @@ def apply_plan(model: torch.nn.Module, distributed_config) -> torch.nn.Module:
     (`prepare_distribute_model`, then `maybe_distribute_model`); every rank must hold the same
     full weights (the same seed or checkpoint): each keeps its own shard of them. Returns the
     sharded model. Call after zrw.convert, then zrw.parallel.prepare(model)."""
+    op = "zrw.parallel.apply_plan"
+    _check_module(op, model)
     cls = type(model)
     if not hasattr(cls, "maybe_distribute_model"):
         raise TypeError(f"zrw.parallel.apply_plan: model must be a transformers PreTrainedModel "
                         f"(with the distributed engine), got {cls.__name__}")
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # pragma: no cover - another transformers layout: dicts only checked
+        DistributedConfig = ()
+    if not isinstance(distributed_config, (dict, DistributedConfig)):
+        raise TypeError(f"{op}: distributed_config must be a transformers DistributedConfig or a "
+                        f"dict, got {type(distributed_config).__name__}")
     dc, _device_map, mesh_manager = cls.prepare_distribute_model(distributed_config)
     return cls.maybe_distribute_model(model, dc, mesh_manager)

@@ -218,6 +218,7 @@ def test_streaming_save_refuses_before_it_touches_the_file(tmp_path):
     """A released weight without a master (mid-step, plain optimizer): a named error before the
     file is opened, so an existing checkpoint survives."""
     lin = MXLinear.from_linear(torch.nn.Linear(64, 64, dtype=BF16), "mxfp8", name="layer")
+    opt = zrw.optim.attach(torch.optim.SGD(lin.parameters(), lr=0.1), fill="dequant")  # noqa: F841
     x = torch.randn(4, 64).to(BF16)
     lin(x).float().sum().backward()
     assert cache.is_released(lin.weight)

@@ -122,13 +122,25 @@ def assert_sum_close(got, t, dim, what):
     assert r <= 1.0, f"{what}: error {r:.3g}x the FP32-rounding bound"
 
 
+# Optimizers with the zrw boundary that own the test layers' weights: a zrw layer releases a
+# trainable weight only when an optimizer with the boundary (or an FP32 master) owns it.
+_OWNERS = []
+
+
+def _owned(module):
+    """module, its parameters owned by an optimizer with the zrw boundary (kept alive here)."""
+    _OWNERS.append(zrw.optim.attach(torch.optim.SGD(module.parameters(), lr=0.0),
+                                    fill="dequant"))
+    return module
+
+
 def _mxlinear(in_f, out_f, bias, recipe, seed, **kw):
     layer = MXLinear(in_f, out_f, bias=bias, recipe=recipe, dtype=BF16, **kw)
     with torch.no_grad():
         layer.weight.copy_(_data(out_f, in_f, seed=seed))
         if bias:
             layer.bias.copy_(_data(out_f, seed=seed + 1))
-    return layer
+    return _owned(layer)
 
 
 def _run(layer, x, dy):
@@ -307,7 +319,7 @@ def _grouped_case(recipe, counts, seed):
     with torch.no_grad():
         layer.weight.copy_(_data(E, out_f, in_f, seed=seed))
     T = sum(counts)
-    return layer, _data(T, in_f, seed=seed + 1), _data(T, out_f, seed=seed + 2)
+    return _owned(layer), _data(T, in_f, seed=seed + 1), _data(T, out_f, seed=seed + 2)
 
 
 COUNTS = [[10, 0, 23, 12], [0, 45, 0, 0], [1, 31, 33, 0]]
@@ -402,7 +414,7 @@ def _block_grads(block, x, dy, mode):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_checkpoint_recompute_identical_and_hits_cache(recipe, mode):
     base = _Block(recipe)
-    ckpt = copy.deepcopy(base)  # before any forward: two independent sets of equal weights
+    ckpt = _owned(copy.deepcopy(base))  # before any forward: two independent sets of equal weights
     x, dy = _data(3, 15, 70, seed=54), _data(3, 15, 33, seed=55)
 
     y0, g0, b0, a0 = _block_grads(base, x, dy, "none")

@@ -372,7 +372,7 @@ def test_saving_released_weights_raises_zrw_error(kind):
 
     model = make_model(kind)
     summary = zrw.convert(model, "mxfp8")
-    zrw.optim.attach(torch.optim.AdamW(model.parameters()), fill="dequant")
+    opt = zrw.optim.attach(torch.optim.AdamW(model.parameters()), fill="dequant")
     model(input_ids=ids, labels=ids).loss.backward()
     assert cache.cache_stats()["released_bytes"] == summary.release_bytes
     with pytest.raises(RuntimeError,

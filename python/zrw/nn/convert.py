@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import parallel
-from ..config import QuantRecipe, get_recipe
+from ..config import QuantRecipe, get_recipe, known_recipes
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
 
@@ -77,7 +77,10 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
             main_grad: bool = False) -> ConvertSummary:
     """Replace, in place, every nn.Linear and every fused-experts module (Hugging Face's
     3-D gate_up_proj / down_proj layout) whose qualified name contains none of `skip`
-    (default: lm_head and embeddings stay in high precision).
+    (default: lm_head and embeddings stay in high precision). `skip` is an iterable of name
+    parts (a module is kept when any of them is a substring of its qualified name); a single
+    str is taken as ONE name part (`skip="lm_head"` is `skip=["lm_head"]`), never character by
+    character. An empty name part (it would match every module) is refused.
 
     The parameters are kept (the same objects: optimizers that hold them still work, and the
     state_dict keys do not change). A weight shared by several modules (tied weights, found by
@@ -88,9 +91,40 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
     Tensor / expert parallelism (zrw.parallel): convert before transformers' tp_plan / ep_plan
     is applied (a module it already wraps is refused); with PyTorch's parallelize_module either
     order works. A sharded weight's `release_bytes` are its local shard's.
+
+    Every argument is checked before the model is touched: a wrong type raises TypeError, a bad
+    value ValueError, each naming the argument, what was expected and what was found.
     """
+    op = "zrw.convert"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, (str, QuantRecipe)):
+        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name "
+                        f"(one of {known_recipes()}), got {type(recipe).__name__}")
+    if isinstance(recipe, str) and recipe not in known_recipes():
+        raise ValueError(f"{op}: recipe must be a zrw.QuantRecipe or one of {known_recipes()}, "
+                         f"got {recipe!r}")
+    for arg, value in (("release", release), ("release_frozen", release_frozen),
+                       ("main_grad", main_grad)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__} "
+                            f"({value!r})")
+    if skip is None:
+        skip = DEFAULT_SKIP
+    elif isinstance(skip, str):
+        skip = (skip,)  # one name part, not its characters
+    elif isinstance(skip, (bytes, bytearray)) or not isinstance(skip, Iterable):
+        raise TypeError(f"{op}: skip must be a str or an iterable of str (name parts of the "
+                        f"modules to keep in high precision), got {type(skip).__name__}")
+    skip = tuple(skip)
+    for i, s in enumerate(skip):
+        if not isinstance(s, str):
+            raise TypeError(f"{op}: skip must hold str name parts, got skip[{i}] = {s!r} "
+                            f"({type(s).__name__})")
+        if not s:
+            raise ValueError(f"{op}: skip[{i}] is the empty string, which every module name "
+                             "contains: it would skip every module")
     rcp = get_recipe(recipe)
-    skip = tuple(DEFAULT_SKIP if skip is None else skip)
     summary = ConvertSummary(recipe=rcp.name)
     tied = _tied_weights(model)
 

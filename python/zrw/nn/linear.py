@@ -95,8 +95,8 @@ def _weight_planes(weight: Tensor, recipe: QuantRecipe, release: bool, release_f
         # engine: the cache works on the local tensor the view shows.
         return parallel.quant_engine_view(weight, owner, recipe, release, release_frozen, name)
     return cache.quant_and_release(weight, cache_recipe(recipe), release,
-                                 release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
-                                 scale_mode=recipe.scale_mode, name=name)
+                                   release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
+                                   scale_mode=recipe.scale_mode, name=name, require_owner=True)
 
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -242,6 +242,101 @@ class ReleasedWeightsStateDict:
             params[n] = nn.Parameter(checkpoint.materialize(p, m), requires_grad=p.requires_grad)
         return state
 
+    def _restore_released(self):
+        """Bring this layer's released weights back, exactly from their FP32 masters (a weight
+        without one has only its FP8 copy left: a frozen weight released for good, or one of
+        an optimizer attached with fill='dequant', whose boundary dequantizes it anyway), and
+        drop the FP8 copies of the others; their next use in training quantizes and releases
+        them again. Returns (weight, master, signature) of each weight with a master, for
+        _sync_masters after the write."""
+        out = []
+        for n in self.zrw_quantized:
+            p = self._parameters.get(n)
+            if not isinstance(p, torch.Tensor):
+                continue
+            local = parallel.local_tensor(p)
+            state = cache.cache_state(local)
+            master = cache.master_of(local)
+            if state >= 2:
+                cache.restore(local, "master" if master is not None else "dequant")
+            elif state == 1:
+                cache.cache_invalidate(local)
+            if master is not None:
+                out.append((n, master, cache.weight_signature(local)))
+        return out
+
+    def _sync_masters(self, restored) -> None:
+        """After a write to restored weights (apply, a cast): a master whose weight changed
+        takes the weight's new value, as MasterWeights does for any parameter written between
+        steps (the weight is released again at its next use, and can no longer be read)."""
+        with torch.no_grad():
+            for n, master, sig in restored:
+                p = self._parameters.get(n)
+                if not isinstance(p, torch.Tensor):
+                    continue
+                local = parallel.local_tensor(p)
+                if local.shape != master.shape:
+                    continue
+                if cache.weight_signature(local) != sig or not cache.holds_master(local, master):
+                    master.copy_(local.detach())
+
+    def apply(self, fn):
+        """nn.Module.apply (`model.apply(init_fn)`): `fn` sees this layer's weights with their
+        values (released ones are restored first, see _restore_released), so a
+        re-initialization works as on nn.Linear; the masters take the new values, and the next
+        training use quantizes (and releases) them."""
+        restored = self._restore_released()
+        out = super().apply(fn)
+        self._sync_masters(restored)
+        return out
+
+    def _apply(self, fn, recurse=True):
+        """Casts and moves (`model.to(dtype)`, `.half()`, `.float()`, `share_memory()`): a
+        function that keeps a released weight's dtype and device leaves it released (its value
+        cannot change: only its FP8 copy and master exist); one that changes them gets the
+        weight restored first (see _restore_released), so the cast reads its exact value, and
+        its master takes the cast value (as MasterWeights does for a cast parameter)."""
+        kept = {}
+        changes = False
+        for n in self.zrw_quantized:
+            p = self._parameters.get(n)
+            if not isinstance(p, torch.Tensor):
+                continue
+            try:
+                probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                same = (isinstance(probe, torch.Tensor) and probe.dtype == p.dtype
+                        and probe.device == p.device)
+            except Exception:
+                same = False
+            if same and cache.cache_state(parallel.local_tensor(p)) >= 2:
+                kept[n] = p
+            elif not same:
+                changes = True
+        if changes:
+            restored = self._restore_released()
+            out = super()._apply(fn, recurse)
+            self._sync_masters(restored)
+            return out
+        if not kept:
+            return super()._apply(fn, recurse)
+        order = list(self._parameters)
+        for n in kept:
+            del self._parameters[n]
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            current = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update({k: kept[k] if k in kept else current[k] for k in order
+                                     if k in kept or k in current})
+        with torch.no_grad():
+            for p in kept.values():
+                if p.grad is not None:
+                    g = fn(p.grad)
+                    if g is not p.grad:
+                        p.grad = g
+        return out
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         released = self._released_weights()
         if checkpoint.deferring():
@@ -270,9 +365,13 @@ class ReleasedWeightsStateDict:
                               unexpected_keys, error_msgs) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
             # load_state_dict(assign=True) replaces the parameter objects: the old weights, and
-            # their entries, are simply dropped.
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                                 missing_keys, unexpected_keys, error_msgs)
+            # their entries, are simply dropped; the new ones take the old ones' zrw names.
+            names = {n: cache.weight_name(p) for n, p in self._parameters.items()
+                     if isinstance(p, torch.Tensor) and cache.weight_name(p)}
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            restamp_names(self, names)
+            return
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
         params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
         states = cache.cache_states([parallel.local_tensor(p) for _, p in params])
@@ -325,8 +424,11 @@ class ReleasedWeightsStateDict:
             with torch.no_grad():
                 if st == 3:
                     # A frozen weight released for good: restored with these values (its entry
-                    # goes; its next use quantizes and releases them again).
+                    # goes; its next use quantizes and releases them again); a master it has
+                    # takes them too.
                     torch.ops.zrw.restore(p, "master", value.detach())
+                    if master is not None:
+                        master.copy_(value.detach().to(p.dtype))
                 elif master is None:
                     cache.assign_weights([p], [value.detach()])  # restored with these values
                 else:
@@ -336,12 +438,9 @@ class ReleasedWeightsStateDict:
         for (n, p), st in zip(params, states):
             if n in held or prefix + n not in state_dict:
                 continue
-            p = parallel.local_tensor(p)
-            master = cache.master_of(p)
-            if master is not None:
-                with torch.no_grad():
-                    master.copy_(p.detach())
-            cache.cache_invalidate(p)
+            # Its FP8 copy is stale; its master (if any) takes the loaded value at its
+            # optimizer's next step (MasterWeights follows every write to a parameter).
+            cache.cache_invalidate(parallel.local_tensor(p))
 
 
 def restamp_names(module: nn.Module, names: dict) -> None:
