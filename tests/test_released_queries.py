@@ -9,6 +9,7 @@
    register_master) stay correct while other threads build and tear down MasterWeights
    (restore_all raised "dictionary changed size during iteration").
 """
+import gc
 import json
 import os
 import subprocess
@@ -115,6 +116,7 @@ QUERIES = [
     ("w.shape", ("value", [64, 64])),
     ("w.is_contiguous()", ("value", True)),
     ("w.untyped_storage().element_size()", ("value", 1)),
+    ("len(w.untyped_storage())", ("value", 64 * 64 * 2)),
     ("w.untyped_storage().device.type", ("value", "cpu")),
     ("w.untyped_storage().resizable()", ("answer",)),
     ("w.untyped_storage().__sizeof__()", ("answer",)),
@@ -168,6 +170,8 @@ QUERIES = [
     ("w.untyped_storage().tolist()", ("poison", NAME)),
     ("bytes(w.untyped_storage())", ("poison", NAME)),
     ("w.untyped_storage()[0]", ("poison", NAME)),
+    ("w.untyped_storage()[0:16]", ("poison", NAME)),
+    ("w.storage().tolist()", ("poison", NAME)),
     ("w.numpy()", ("raises", "RuntimeError", "requires grad")),
     ("v.detach().numpy()", ("poison", "v")),
     ("v.detach().__array__()", ("poison", "v")),
@@ -275,8 +279,10 @@ class _Net(torch.nn.Module):
 def test_batch_apis_while_other_threads_build_and_delete_master_weights():
     """restore_all("master"), restore_weights, cache_states and master_of in loops while two
     threads build MasterWeights (each registering its masters) and tear them down (with a
-    released weight of their own, restored concurrently). Before the fix restore_all raised
-    "dictionary changed size during iteration"."""
+    released weight of their own, restored concurrently), and another thread's forward
+    releases the model's weights again. Before the fix restore_all raised "dictionary changed
+    size during iteration", and could restore a weight with a master by dequantization (lossy)
+    when a forward released it again between its two passes."""
     torch.manual_seed(0)
     model = _Net().to(BF16)
     zrw.convert(model)
@@ -317,7 +323,6 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
             with lock:
                 counts["built"] += 1
             if counts["built"] % 16 == 0:
-                import gc
                 gc.collect()
         alive.clear()
 
@@ -359,13 +364,11 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
     assert not errors, "\n".join(errors[:5])
     assert counts["restore_all"] > 0 and counts["built"] > 0, counts
     # The registry holds no entry of a weight that died.
-    import gc
     gc.collect()
     assert all(k() is not None for k in list(cache._masters))
 
 
 def test_register_master_replaces_and_dies_with_the_weight():
-    import gc
     w = torch.nn.Parameter(torch.randn(4, 4).to(BF16))
     m1, m2 = torch.randn(4, 4), torch.randn(4, 4)
     cache.register_master(w, m1)

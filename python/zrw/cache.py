@@ -121,7 +121,9 @@ def quant_and_release(
     a compiled forward never reads a per-layer string and recompiles for each layer).
     require_owner=True (what the zrw layers pass): a trainable weight is released only when
     `is_owned(w)`, i.e. an optimizer with the zrw boundary steps it or it has an FP32 master;
-    any other is cached but keeps its BF16 storage (readable, and restorable exactly).
+    any other is cached but keeps its BF16 storage (readable, and restorable exactly). A weight
+    the layers restored for a write (apply, a cast) is held (`_zrw_hold`) until its
+    optimizer's next write-back, so that MasterWeights reads what was written.
     """
     op = "zrw.cache.quant_and_release"
     trainable = w.requires_grad if isinstance(w, Tensor) else False
@@ -141,7 +143,7 @@ def quant_and_release(
         raise TypeError(f"{op}: name must be a str or None, got {type(name).__name__}")
     release = release and release_enabled()
     if (release and require_owner and trainable and torch.is_grad_enabled()
-            and not is_owned(w)):
+            and (not is_owned(w) or getattr(w, "_zrw_hold", False))):
         release = False  # nothing would write it back or restore it exactly: keep its BF16
     if name is None:
         name = weight_name(w)
@@ -192,8 +194,7 @@ _CHUNK = 1 << 20  # elements compared at a time: the check's transient stays sma
 def weight_signature(p: torch.Tensor):
     """What changes when a parameter is written through autograd-visible ops (its version) or
     gets new data (`p.data = t`, a cast): read without touching a released weight's bytes."""
-    return (p._version, p.untyped_storage()._cdata, p.dtype, p.device, tuple(p.shape),
-            tuple(p.stride()), p.storage_offset())
+    return (p._version, p.dtype, p.device, tuple(p.shape))
 
 
 def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
@@ -419,15 +420,14 @@ def restore_all(fill: str = "master") -> int:
     # change neither the set of weights nor their masters under this call.
     pairs = _registered_masters()
     with_master = [w for w, _ in pairs]
-    failed: List[Tensor] = []
     try:
         n += torch.ops.zrw.restore_weights(with_master, "master", [m for _, m in pairs])
     except RuntimeError as e:
         errors.append(str(e))
-        # Those left released keep their entries: the lossy fill below must not reach them.
-        failed = [w for w, st in zip(with_master, cache_states(with_master)) if st == 2]
+    # The lossy fill below never reaches a weight with a master: neither one left released
+    # above (it keeps its entry) nor one that another thread's forward released again since.
     try:
-        n += torch.ops.zrw.restore_all("dequant", failed)
+        n += torch.ops.zrw.restore_all("dequant", with_master)
     except RuntimeError as e:
         errors.append(str(e))
     if errors:

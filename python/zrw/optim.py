@@ -355,6 +355,9 @@ class MasterWeights(torch.optim.Optimizer):
                                  keep_released=self.keep_released)
         finally:
             self._record_written()
+            for p in local_tensors(params):
+                if getattr(p, "_zrw_hold", False):
+                    p._zrw_hold = False  # its write was read: it may be released again
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):

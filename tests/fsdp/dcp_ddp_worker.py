@@ -140,7 +140,11 @@ def run_ddp(args):
     # must not be released then); gradient buckets are separate storages unless
     # gradient_as_bucket_view=True, and the bucket copy reads .grad, never the weight.
     if args.late_ddp:  # probe: a forward (weights released) before DDP is constructed
+        # (an optimizer with the boundary owns the weights: zrw releases only those)
+        early = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, seq.parameters(),
+                                                         lr=args.lr))
         seq(torch.randn(args.tokens, args.d, dtype=torch.bfloat16))
+        del early
     model = DDP(seq, gradient_as_bucket_view=args.bucket_view)
     opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, seq.parameters(),
                                                    lr=args.lr))

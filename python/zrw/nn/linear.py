@@ -242,14 +242,13 @@ class ReleasedWeightsStateDict:
             params[n] = nn.Parameter(checkpoint.materialize(p, m), requires_grad=p.requires_grad)
         return state
 
-    def _restore_released(self):
+    def _restore_released(self) -> None:
         """Bring this layer's released weights back, exactly from their FP32 masters (a weight
         without one has only its FP8 copy left: a frozen weight released for good, or one of
         an optimizer attached with fill='dequant', whose boundary dequantizes it anyway), and
-        drop the FP8 copies of the others; their next use in training quantizes and releases
-        them again. Returns (weight, master, signature) of each weight with a master, for
-        _sync_masters after the write."""
-        out = []
+        drop the FP8 copies of the others. A weight with a master is then held (not released
+        again) until its optimizer's next write-back, which reads what was written into it
+        (MasterWeights follows every write to a parameter)."""
         for n in self.zrw_quantized:
             p = self._parameters.get(n)
             if not isinstance(p, torch.Tensor):
@@ -262,40 +261,21 @@ class ReleasedWeightsStateDict:
             elif state == 1:
                 cache.cache_invalidate(local)
             if master is not None:
-                out.append((n, master, cache.weight_signature(local)))
-        return out
-
-    def _sync_masters(self, restored) -> None:
-        """After a write to restored weights (apply, a cast): a master whose weight changed
-        takes the weight's new value, as MasterWeights does for any parameter written between
-        steps (the weight is released again at its next use, and can no longer be read)."""
-        with torch.no_grad():
-            for n, master, sig in restored:
-                p = self._parameters.get(n)
-                if not isinstance(p, torch.Tensor):
-                    continue
-                local = parallel.local_tensor(p)
-                if local.shape != master.shape:
-                    continue
-                if cache.weight_signature(local) != sig or not cache.holds_master(local, master):
-                    master.copy_(local.detach())
+                local._zrw_hold = True
 
     def apply(self, fn):
         """nn.Module.apply (`model.apply(init_fn)`): `fn` sees this layer's weights with their
         values (released ones are restored first, see _restore_released), so a
-        re-initialization works as on nn.Linear; the masters take the new values, and the next
-        training use quantizes (and releases) them."""
-        restored = self._restore_released()
-        out = super().apply(fn)
-        self._sync_masters(restored)
-        return out
+        re-initialization works as on nn.Linear; the optimizer's next step takes the new
+        values into its masters, and the step after it releases them again."""
+        self._restore_released()
+        return super().apply(fn)
 
     def _apply(self, fn, recurse=True):
         """Casts and moves (`model.to(dtype)`, `.half()`, `.float()`, `share_memory()`): a
         function that keeps a released weight's dtype and device leaves it released (its value
         cannot change: only its FP8 copy and master exist); one that changes them gets the
-        weight restored first (see _restore_released), so the cast reads its exact value, and
-        its master takes the cast value (as MasterWeights does for a cast parameter)."""
+        weight restored first (see _restore_released), so the cast reads its exact value."""
         kept = {}
         changes = False
         for n in self.zrw_quantized:
@@ -313,10 +293,8 @@ class ReleasedWeightsStateDict:
             elif not same:
                 changes = True
         if changes:
-            restored = self._restore_released()
-            out = super()._apply(fn, recurse)
-            self._sync_masters(restored)
-            return out
+            self._restore_released()
+            return super()._apply(fn, recurse)
         if not kept:
             return super()._apply(fn, recurse)
         order = list(self._parameters)

@@ -1,0 +1,397 @@
+"""The contract of zero-redundancy weights at the edges where users live (issue 19): whatever a
+user does through PyTorch's public API to a converted model or its optimizer, training with
+release on gives bit for bit what release off gives, or the call raises an error in both.
+
+A differential harness: the same tiny model (embedding, norm and head outside zrw, two
+converted linears) is trained with release on and off under zrw.optim.MasterWeights(AdamW),
+with a scripted sequence of user actions between and inside steps (loads, casts, applies,
+evals under no_grad and inference_mode, zero_grad variants, optimizer state round trips,
+injected allocation failures and retried steps). Hypothesis draws the sequences. A second
+harness checks MasterWeights against torch's AdamW on FP32 parameters directly (the numbers
+must be the same bits there: MasterWeights' masters are the FP32 parameters).
+"""
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import zrw
+from zrw import cache
+from zrw.optim import MasterWeights, attach
+
+BF16 = torch.bfloat16
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(48, 64)
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 96)
+        self.down = nn.Linear(96, 64)
+        self.head = nn.Linear(64, 48, bias=False)
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def build(release, recipe="mxfp8", seed=0):
+    torch.manual_seed(seed)
+    model = Tiny().to(BF16)
+    zrw.convert(model, recipe, release=release, skip=("head", "embed"))
+    opt = attach(MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2))
+    return model, opt
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 48, (3, 8), generator=g)
+
+
+def loss_of(model, seed):
+    return model(batch(seed)).float().logsumexp(-1).mean()
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _init(mod):
+    g = torch.Generator().manual_seed(7)
+    if isinstance(mod, (nn.Linear, nn.Embedding)):
+        with torch.no_grad():
+            mod.weight.copy_(torch.randn(mod.weight.shape, generator=g).to(mod.weight.dtype) * 0.02)
+
+
+def _init_data(mod):
+    if isinstance(mod, nn.LayerNorm):
+        mod.weight.data.fill_(1.25)
+
+
+# Each action: (name, fn(model, opt, ctx)). ctx["saved"] is a state dict taken after step 1.
+def _load(model, opt, ctx):
+    model.load_state_dict(ctx["saved"])
+
+
+def _load_partial(model, opt, ctx):
+    model.load_state_dict({k: v for k, v in ctx["saved"].items() if "norm" in k or "up" in k},
+                          strict=False)
+
+
+def _load_bad_shape(model, opt, ctx):
+    bad = dict(ctx["saved"])
+    bad["norm.weight"] = torch.zeros(3)
+    model.load_state_dict(bad)
+
+
+def _load_not_a_tensor(model, opt, ctx):
+    bad = dict(ctx["saved"])
+    bad["up.weight"] = "not a tensor"
+    model.load_state_dict(bad)
+
+
+def _apply_init(model, opt, ctx):
+    model.apply(_init)
+
+
+def _apply_data(model, opt, ctx):
+    model.apply(_init_data)
+
+
+def _cast_round_trip(model, opt, ctx):
+    model.float()
+    model.to(BF16)
+
+
+def _to_same(model, opt, ctx):
+    model.to(torch.bfloat16)
+
+
+def _eval_no_grad(model, opt, ctx):
+    with torch.no_grad():
+        model(batch(99))
+
+
+def _eval_inference(model, opt, ctx):
+    with torch.inference_mode():
+        model(batch(98))
+
+
+def _zero_keep(model, opt, ctx):
+    opt.zero_grad(set_to_none=False)
+
+
+def _opt_round_trip(model, opt, ctx):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _inplace_no_grad(model, opt, ctx):
+    with torch.no_grad():
+        model.norm.weight.mul_(0.5)
+        model.embed.weight.add_(0.01)
+
+
+def _state_dict_read(model, opt, ctx):
+    sd = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+
+
+BETWEEN = {
+    "load": _load, "load_partial": _load_partial, "load_bad_shape": _load_bad_shape,
+    "load_not_a_tensor": _load_not_a_tensor, "apply_init": _apply_init,
+    "apply_data": _apply_data, "cast_round_trip": _cast_round_trip, "to_same": _to_same,
+    "eval_no_grad": _eval_no_grad, "eval_inference": _eval_inference,
+    "zero_keep": _zero_keep, "opt_round_trip": _opt_round_trip,
+    "inplace_no_grad": _inplace_no_grad, "state_dict": _state_dict_read,
+    "fault_step": None,  # handled in run(): the next step fails once, then is retried
+}
+# Inside a step (between micro-batches): what can run while weights are released.
+INSIDE = {
+    "eval_no_grad": _eval_no_grad, "eval_inference": _eval_inference,
+    "cast_round_trip": _cast_round_trip, "to_same": _to_same, "state_dict": _state_dict_read,
+    "apply_init": _apply_init,
+}
+
+
+def run(release, script, recipe="mxfp8", steps=4, micro=2):
+    """Train with `script`: a list of (step, where, action) with where "between" (before that
+    step's first micro-batch) or "inside" (after its first micro-batch). Returns the losses,
+    the final state dict and what each action raised (its type name, or None)."""
+    model, opt = build(release, recipe)
+    ctx = {}
+    losses, raised = [], []
+    for s in range(steps):
+        fault = False
+        for (at, where, name) in script:
+            if at == s and where == "between":
+                if name == "fault_step":
+                    fault = True
+                    continue
+                raised.append(_do(BETWEEN[name], model, opt, ctx))
+        for i in range(micro):
+            loss = loss_of(model, 100 * s + i)
+            (loss / micro).backward()
+            losses.append(loss.detach())
+            if i == 0:
+                for (at, where, name) in script:
+                    if at == s and where == "inside":
+                        raised.append(_do(INSIDE[name], model, opt, ctx))
+        if fault:
+            # An exception inside the inner step: the step can be retried and gives what an
+            # undisturbed step gives.
+            def boom(*_):
+                raise RuntimeError("injected")
+            h = opt.inner.register_step_pre_hook(boom)
+            with pytest.raises(RuntimeError, match="injected"):
+                opt.step()
+            h.remove()
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            ctx["saved"] = snapshot(model)
+    return torch.stack(losses), snapshot(model), raised
+
+
+def _do(fn, model, opt, ctx):
+    try:
+        fn(model, opt, ctx)
+        return None
+    except Exception as e:  # compared between the two runs
+        return type(e).__name__
+
+
+def assert_same_run(script, recipe="mxfp8"):
+    cache.cache_clear()
+    on = run(True, script, recipe)
+    cache.cache_clear()
+    off = run(False, script, recipe)
+    cache.cache_clear()
+    assert on[2] == off[2], f"{script}: errors differ: on {on[2]}, off {off[2]}"
+    assert torch.equal(on[0].view(torch.int32), off[0].view(torch.int32)), (
+        f"{script}: losses differ: {on[0].tolist()} vs {off[0].tolist()}")
+    for k in off[1]:
+        a, b = on[1][k], off[1][k]
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{script}: final {k} differs"
+    return on
+
+
+@pytest.mark.parametrize("name", sorted(BETWEEN))
+def test_each_action_between_steps(name):
+    losses, _, raised = assert_same_run([(2, "between", name)])
+    assert torch.isfinite(losses).all()
+    expected_errors = {"load_bad_shape", "load_not_a_tensor"}
+    assert any(raised) == (name in expected_errors), (name, raised)
+
+
+@pytest.mark.parametrize("name", sorted(INSIDE))
+def test_each_action_inside_a_step(name):
+    _, _, raised = assert_same_run([(1, "inside", name)])
+    assert raised == [None], (name, raised)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+def test_load_between_steps_is_not_undone_by_the_next_step(recipe):
+    """model.load_state_dict(sd) then training: the loaded values are what the next step
+    starts from, for the parameters outside zrw's layers too (their FP32 masters follow)."""
+    model, opt = build(True, recipe)
+    for s in range(2):
+        loss_of(model, s).backward()
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            saved = snapshot(model)
+    model.load_state_dict(saved)
+    # a fresh optimizer over the loaded model is the reference
+    cache.cache_clear()
+    ref, ref_opt = build(True, recipe, seed=1)
+    ref.load_state_dict(saved)
+    ref_opt = attach(MasterWeights(torch.optim.AdamW, ref.parameters(), lr=1e-2))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.inner.state.clear()  # same optimizer state (none) in both: only the values differ
+        loss_of(m, 5).backward()
+        o.step()
+        o.zero_grad()
+    a, b = snapshot(model), snapshot(ref)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(
+    st.tuples(st.integers(1, 3), st.just("between"), st.sampled_from(sorted(BETWEEN))),
+    st.tuples(st.integers(0, 3), st.just("inside"), st.sampled_from(sorted(INSIDE)))),
+    min_size=1, max_size=5))
+def test_random_sequences_release_on_equals_off(script):
+    assert_same_run(script)
+
+
+# --- MasterWeights against torch's own optimizer on FP32 parameters -----------------------------
+
+def _fp32_pair():
+    torch.manual_seed(3)
+    a = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    b = copy.deepcopy(a)
+    ours = MasterWeights(torch.optim.AdamW, a.parameters(), lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
+    return a, ours, b, plain
+
+
+def _same(a, b):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_masters_follow_torch_adamw_with_a_parameter_without_gradient(set_to_none):
+    """zero_grad(set_to_none=False) then a step where one layer gets no gradient: torch steps
+    it with its zero gradient (decay and moments move it); MasterWeights must do the same."""
+    a, ours, b, plain = _fp32_pair()
+    x = torch.randn(4, 16)
+    for s in range(4):
+        for m, o in ((a, ours), (b, plain)):
+            o.zero_grad(set_to_none=set_to_none)
+            if s == 2:  # only the last layer gets a gradient
+                m[2](torch.relu(m[0](x)).detach()).sum().backward()
+            else:
+                m(x).sum().backward()
+            o.step()
+        _same(a, b)
+
+
+def test_masters_follow_writes_between_steps_as_torch_does():
+    """load_state_dict, apply(init) and writes through .data between steps: the next step
+    starts from the written values, as torch's optimizer on the parameters does."""
+    a, ours, b, plain = _fp32_pair()
+    x = torch.randn(4, 16)
+    saved = copy.deepcopy(a.state_dict())
+    writes = [lambda m: m.load_state_dict(saved),
+              lambda m: m.apply(lambda mod: nn.init.constant_(mod.bias, 0.5)
+                                if isinstance(mod, nn.Linear) else None),
+              lambda m: m[0].weight.data.mul_(0.5)]
+    for s in range(4):
+        for m, o in ((a, ours), (b, plain)):
+            if s:
+                writes[s - 1](m)
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+        _same(a, b)
+
+
+def test_a_failed_inner_step_can_be_retried():
+    a, ours, b, plain = _fp32_pair()
+    x = torch.randn(4, 16)
+    for m in (a, b):
+        m(x).sum().backward()
+
+    def boom(*_):
+        raise RuntimeError("injected")
+    h = ours.inner.register_step_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        ours.step()
+    h.remove()
+    assert all(p.grad is not None for p in a.parameters()), "the gradients are kept"
+    ours.step()
+    plain.step()
+    _same(a, b)
+
+
+def test_out_of_memory_while_converting_gradients_can_be_retried():
+    zrw.memory.install()
+    torch.manual_seed(5)
+    a = nn.Linear(256, 256).to(BF16)
+    b = copy.deepcopy(a)
+    ours = MasterWeights(torch.optim.SGD, a.parameters(), lr=0.1)
+    ref = MasterWeights(torch.optim.SGD, b.parameters(), lr=0.1)
+    x = torch.randn(8, 256).to(BF16)
+    for m in (a, b):
+        m(x).float().sum().backward()
+    # the second FP32 gradient of at least 256 KiB (the weight's) fails to allocate
+    with zrw.memory.fail_allocations(min_bytes=256 * 256 * 4, count=1):
+        with pytest.raises(torch.OutOfMemoryError):
+            ours.step()
+    assert a.weight.grad is not None and a.bias.grad is not None
+    ours.step()
+    ref.step()
+    _same(a, b)
+
+
+def test_duplicate_parameters_are_refused():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"params'\]\[1\].*same parameter.*listed once"):
+        MasterWeights(torch.optim.SGD, [lin.weight, lin.weight], lr=0.1)
+    opt = MasterWeights(torch.optim.SGD, [lin.weight], lr=0.1)
+    with pytest.raises(ValueError, match="listed once"):
+        opt.add_param_group({"params": [lin.bias, lin.bias]})
+    assert len(opt.param_groups) == 1
+
+
+def test_weights_no_optimizer_owns_are_never_released():
+    """A trainable weight that no optimizer with the zrw boundary (or master) owns keeps its
+    BF16 storage: state_dict() reads it and nothing is lost to a lossy restore."""
+    torch.manual_seed(0)
+    model = Tiny().to(BF16)
+    zrw.convert(model)
+    loss_of(model, 0).backward()
+    assert not cache.is_released(model.up.weight)
+    before = model.up.weight.detach().clone()
+    assert torch.equal(model.state_dict()["up.weight"], before)
+    opt = attach(MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2))
+    cache.next_step()
+    loss_of(model, 1).backward()
+    assert cache.is_released(model.up.weight)
+    del opt
+
+
+def test_load_state_dict_assign_keeps_the_weight_names():
+    model, opt = build(True)
+    loss_of(model, 0).backward()
+    opt.step()
+    saved = snapshot(model)
+    model.load_state_dict(saved, assign=True)
+    assert cache.weight_name(model.up.weight) == "up.weight"
