@@ -143,8 +143,11 @@ def quant_and_release(
         raise TypeError(f"{op}: name must be a str or None, got {type(name).__name__}")
     release = release and release_enabled()
     if (release and require_owner and trainable and torch.is_grad_enabled()
-            and (not is_owned(w) or getattr(w, "_zrw_hold", False))):
+            and (not is_owned(w) or getattr(w, "_zrw_hold", False)
+                 or getattr(w, "_zrw_tied", None))):
         release = False  # nothing would write it back or restore it exactly: keep its BF16
+    elif release and require_owner and trainable and torch.is_grad_enabled():
+        _sync_before_release(w)
     if name is None:
         name = weight_name(w)
     elif name and not weight_name(w):
@@ -154,6 +157,26 @@ def quant_and_release(
             w, recipe, release, release_frozen, elem_dtype, scale_mode, name
         )
     return MXWeight.from_tensors(recipe, tensors)
+
+
+def _sync_before_release(w: Tensor) -> None:
+    """A weight with an FP32 master that is about to be released (its first use in a step,
+    with no entry yet) and was written since its optimizer's last write-back (a
+    load_state_dict, an apply, a write through `.data` between steps): its master takes the
+    written value now, since nothing can read the weight once it is released (MasterWeights
+    reads the unreleased ones at its step)."""
+    written = getattr(w, "_zrw_written", None)
+    if written is None:
+        return
+    master = master_of(w)
+    if master is None or torch.ops.zrw.cache_state(w) != 0:
+        return
+    if weight_signature(w) == written and holds_master(w, master):
+        return
+    if master.shape != w.shape:
+        return  # MasterWeights' step names the change of shape
+    with torch.no_grad():
+        master.copy_(w.detach())
 
 
 @contextlib.contextmanager

@@ -264,7 +264,12 @@ class MasterWeights(torch.optim.Optimizer):
 
     def _record_written(self) -> None:
         """After a write-back: what each parameter looks like when it is bf16 of its master."""
-        self._written = [cache.weight_signature(local_tensor(p)) for p, _ in self._pairs()]
+        self._written = []
+        for p, _ in self._pairs():
+            local = local_tensor(p)
+            sig = cache.weight_signature(local)
+            self._written.append(sig)
+            local._zrw_written = sig  # read where the layers release it (zrw.cache)
 
     def _sync_masters(self) -> int:
         """Copy into its master every parameter written since the last write-back. Returns the

@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
+from .. import cache
 from .. import parallel
 from ..config import QuantRecipe, get_recipe, known_recipes
 from .grouped import MXFusedExperts, is_fused_experts
@@ -169,4 +170,106 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
                     summary.released_weights.append(f"{name}.{pname}")
 
     visit(model, "")
+    _install_root_hooks(model)
     return summary
+
+
+_ROOT_HOOKS = "_zrw_root_hooks"
+
+
+def _install_root_hooks(model: nn.Module) -> None:
+    """Hooks on the converted model itself (once): a load_state_dict pre-hook that validates
+    the whole state dict before anything is written, and a forward pre-hook that finds weights
+    tied after convert, once per optimizer step."""
+    if getattr(model, _ROOT_HOOKS, None) is not None:
+        return
+    handles = (model.register_load_state_dict_pre_hook(_validate_load),
+               model.register_forward_pre_hook(_tie_check_pre_hook),
+               model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook))
+    object.__setattr__(model, _ROOT_HOOKS, handles)
+
+
+def _tie_check_pre_hook(module: nn.Module, args) -> None:
+    """Forward pre-hook of a converted model: hold_tied_weights at the first forward of each
+    optimizer step (module-level, so that the model still pickles)."""
+    step = cache.cache_stats()["step"]
+    if module.__dict__.get("_zrw_tie_step") != step:
+        module.__dict__["_zrw_tie_step"] = step
+        hold_tied_weights(module)
+
+
+def _tie_check_state_dict_pre_hook(module: nn.Module, prefix, keep_vars) -> None:
+    """state_dict() of a converted model: a weight tied since the last check is restored first,
+    so that every module holding it reads its value."""
+    hold_tied_weights(module)
+
+
+def hold_tied_weights(model: nn.Module) -> List[str]:
+    """Weights of zrw layers that another module holds too (tied after convert, e.g.
+    `lm_head.weight = embed_tokens.weight`): the other module reads the tensor, so it must
+    never be released. Each is restored (exactly, from its master) if it is released, and kept
+    from release for as long as it is shared, as convert keeps the weights tied before it.
+    Returns the names of the tied weights. The converted model runs this at the first forward
+    of every optimizer step, and at every state_dict() and load_state_dict(); call it yourself
+    after tying weights if the next thing you do is `model.apply(fn)` or a cast."""
+    owners: Dict[int, List[str]] = {}
+    quantized: Dict[int, torch.Tensor] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+            if pname in getattr(mod, "zrw_quantized", ()):
+                quantized[id(p)] = p
+    tied = []
+    for key, p in quantized.items():
+        names = sorted(set(owners[key]))
+        local = parallel.local_tensor(p)
+        if len(names) > 1:
+            tied.append(names[0])
+            if getattr(local, "_zrw_tied", None) != names:
+                local._zrw_tied = names
+            if cache.cache_state(local) >= 2:
+                cache.restore(local, "master" if cache.master_of(local) is not None
+                              else "dequant")
+        elif getattr(local, "_zrw_tied", None):
+            local._zrw_tied = None
+    return tied
+
+
+def _validate_load(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs) -> None:
+    """load_state_dict of a converted model is all or nothing: every value is checked against
+    its parameter or buffer (a tensor, of the same shape), as torch checks each when it copies
+    it, but before the first one is written, so that a load that fails changes nothing (torch
+    itself writes the valid keys, then raises)."""
+    hold_tied_weights(module)  # a weight tied since the last forward: restored first
+    errors = []
+    for mname, mod in module.named_modules():
+        base = f"{prefix}{mname}." if mname else prefix
+        tensors = list(mod._parameters.items()) + [
+            (n, b) for n, b in mod._buffers.items()
+            if n not in getattr(mod, "_non_persistent_buffers_set", ())]
+        for name, param in tensors:
+            key = base + name
+            if param is None or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not torch.overrides.is_tensor_like(value):
+                errors.append(f'While copying the parameter named "{key}", expected '
+                              "torch.Tensor or Tensor-like object from checkpoint but "
+                              f"received {type(value)}")
+                continue
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                continue
+            shape = tuple(param.shape)
+            if not shape and tuple(value.shape) == (1,):
+                continue  # torch accepts a 1-element 1-d value for a 0-d parameter
+            if tuple(value.shape) != shape:
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(value.shape)} from checkpoint, the shape in current "
+                              f"model is {torch.Size(shape)}.")
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__} (zrw: checked before "
+            "any value was written; the model is unchanged):\n\t" + "\n\t".join(errors))
