@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
@@ -146,6 +147,8 @@ def quant_and_release(
             and (not is_owned(w) or getattr(w, "_zrw_hold", False)
                  or getattr(w, "_zrw_tied", None))):
         release = False  # nothing would write it back or restore it exactly: keep its BF16
+        if not getattr(w, "_zrw_hold", False) and not getattr(w, "_zrw_tied", None):
+            _warn_unowned(name or weight_name(w))
     elif release and require_owner and trainable and torch.is_grad_enabled():
         _sync_before_release(w)
     if name is None:
@@ -157,6 +160,28 @@ def quant_and_release(
             w, recipe, release, release_frozen, elem_dtype, scale_mode, name
         )
     return MXWeight.from_tensors(recipe, tensors)
+
+
+_unowned_warned = False
+
+
+def _warn_unowned(name: str) -> None:
+    """Once per process: a trainable weight used in training that no optimizer with the zrw
+    boundary owns keeps its BF16 storage (the Hugging Face Trainer's own default optimizer, an
+    optimizer built after the first forward, or none)."""
+    global _unowned_warned
+    if _unowned_warned:
+        return
+    _unowned_warned = True
+    warnings.warn(
+        f"zrw: weight '{name or '<unnamed>'}' (and any other in the same case) is trained, but no "
+        "optimizer with the zrw boundary owns it, so its BF16 storage is kept: training is "
+        "exact, without the zero-redundancy saving. Build the optimizer before the first "
+        "training forward as zrw.optim.AdamW(params, ...) or "
+        "zrw.optim.attach(zrw.optim.MasterWeights(...)); with Hugging Face's Trainer or TRL's "
+        "SFTTrainer pass optimizer_cls_and_kwargs=(zrw.optim.AdamW, {\"lr\": ...}). (If the "
+        "optimizer is built later, the release starts with its first step.)",
+        UserWarning, stacklevel=3)
 
 
 def _sync_before_release(w: Tensor) -> None:

@@ -476,6 +476,25 @@ class MasterWeights(torch.optim.Optimizer):
         self._write_back()
 
 
+class AdamW(MasterWeights):
+    """torch.optim.AdamW on FP32 masters with the zrw boundary attached on construction: the
+    ready optimizer of zero-redundancy weights, with the BF16-free step (keep_released=True).
+
+    Built as torch's AdamW is, `zrw.optim.AdamW(params, lr=..., betas=..., weight_decay=...)`,
+    so that the paths that build an optimizer from a class and its keyword arguments work:
+    Hugging Face Trainer's `optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": ...})` (param
+    groups with and without weight decay), `optimizers=(zrw.optim.AdamW(model.parameters()),
+    None)`, accelerate's `prepare`. torch's defaults (lr 1e-3, weight_decay 1e-2)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 keep_released: bool = True, **kwargs: Any):
+        super().__init__(torch.optim.AdamW, params, keep_released=keep_released, lr=lr,
+                         betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         **kwargs)
+        attach(self)
+
+
 def _wrap_closure(args, kwargs):
     """The step's closure, run under zrw.no_release(): it re-evaluates the model inside
     step(), where a released weight could not be written by the optimizer. (A step hook's
@@ -592,7 +611,21 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     """Global step pre-hook: an optimizer without the zrw boundary that would step a released
     weight raises here, before it changes any state (its step would fail on the weight's
     poison half-way, after updating others)."""
-    if getattr(optimizer, _HOOKS_ATTR, None) is not None or isinstance(optimizer, MasterWeights):
+    if isinstance(optimizer, MasterWeights):
+        return
+    fp32_only = [p for p in _params_of(optimizer)
+                 if p.grad is None and getattr(p, "main_grad", None) is not None]
+    if fp32_only:
+        names = ", ".join(repr(cache.weight_name(local_tensor(p)) or f"<shape {tuple(p.shape)}>")
+                          for p in fp32_only[:8])
+        raise RuntimeError(
+            f"zrw: {type(optimizer).__name__}.step() would skip {len(fp32_only)} weight(s) "
+            f"whose gradients are only in their FP32 main_grad (zrw.convert(..., "
+            f"main_grad=True)): {names}. Nothing was stepped. main_grad is read by "
+            "zrw.optim.MasterWeights and zrw.optim.AdamW (with Hugging Face's Trainer: "
+            "optimizer_cls_and_kwargs=(zrw.optim.AdamW, {...})); other optimizers read .grad: "
+            "convert without main_grad for them")
+    if getattr(optimizer, _HOOKS_ATTR, None) is not None:
         return
     params = [p for p in _params_of(optimizer) if p.grad is not None]
     if not params:
