@@ -62,8 +62,22 @@ class DemoConfig:
     progress: bool = True
 
 
+# Import-time chatter of third-party packages that transformers pulls in: torchao (when
+# installed) logs a warning for each CUDA-only library it cannot load on a CPU machine, and
+# torch's pytree logs a deprecation for each Enum torchao registers. Neither concerns the demo.
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_third_party_imports() -> None:
+    import logging
+
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def build_model(kind: str, c: DemoConfig) -> torch.nn.Module:
     """A tiny Qwen3 / Qwen3-MoE from a config (seeded random init, bf16)."""
+    _quiet_third_party_imports()
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(c.seed)
