@@ -244,11 +244,15 @@ class WeightCache {
         return e.tensors;
       }
       const bool eval_copy = !e.released && e.status == kSkipNoGrad;
+      // An unreleased weight is readable, so it may have been written through `.data` (which
+      // bumps no version: PEFT's merge_and_unload, a hand-written update) since its copy was
+      // made: a no_grad call (an eval, generate) never reads such a copy, it quantizes the
+      // current values; only the training uses of the step share it.
       const bool fresh =
           e.released ? !replaced
                      : e.step == step_ &&
                            e.version == key->version_counter().current_version() &&
-                           !(eval_copy && !c10::GradMode::is_enabled());
+                           c10::GradMode::is_enabled();
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
@@ -703,6 +707,17 @@ class WeightCache {
     // F.linear's transpose) fails on a storage-size check before the data pointer is touched,
     // with a message that says nothing about zrw. The bytes are gone all the same: zrw.memory
     // and cache_stats()["released_bytes"] account for them.
+    if (e.frozen) {
+      s->release_data_and_set_meta_custom_data_ptr_error_msg_(
+          "zrw: weight '" + e.name + "' is a frozen weight released for good (release_frozen="
+          "True): only its MXFP8 copy holds its values, and it has no data now. "
+          "model.state_dict() gives its dequantized FP8 values (see zrw.checkpoint."
+          "frozen_values); to write into it (PEFT's merge_and_unload, an in-place update), "
+          "first bring it back from its FP8 copy (lossy: the only value left) with "
+          "zrw.cache.restore_frozen(model) or zrw.cache.cache_invalidate(w); its next use "
+          "then quantizes the written values. (zrw.cache.restore_all skips frozen weights.)");
+      return;
+    }
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(
         "zrw: the BF16 storage of weight '" + e.name +
         "' is released (zero-redundancy weights: only its MXFP8 copy, or with "

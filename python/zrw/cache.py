@@ -541,6 +541,28 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
     return torch.ops.zrw.cache_invalidate(w, fill)
 
 
+def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
+    """Bring back every frozen weight released for good (release_frozen=True) among the
+    parameters of a module (or a list of weights), from its FP8 copy: its only value, so this
+    is lossy against the BF16 weight it was made from. Afterwards the weights are ordinary
+    tensors that can be written (PEFT's merge_and_unload, an in-place update); their next use
+    in a layer with release_frozen quantizes the written values and releases them again.
+    (restore_all skips frozen weights: their FP8 copy is kept across steps on purpose.)
+    Returns the number restored."""
+    op = "zrw.cache.restore_frozen"
+    if fill != "dequant":
+        raise ValueError(f"{op}: fill must be 'dequant' (a frozen weight released for good has "
+                         f"only its FP8 copy), got {fill!r}")
+    if isinstance(model_or_weights, torch.nn.Module):
+        ws = [_local(p) for p in model_or_weights.parameters()]
+    else:
+        ws = _tensor_list(op, "model_or_weights", model_or_weights)
+    frozen = [w for w, st in zip(ws, cache_states(ws)) if st == 3]
+    for w in frozen:
+        torch.ops.zrw.cache_invalidate(w, "dequant")
+    return len(frozen)
+
+
 def cache_stats() -> Dict[str, int]:
     """entries, fp8_bytes (held), released / released_bytes (BF16 bytes currently freed), frozen,
     pending (released weights waiting to be quantized from their master), restored /

@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import threading
+import warnings
 import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -41,6 +42,49 @@ _DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+
+
+FROZEN_MODES = ("dequant", "raise")
+_frozen_warned = False
+
+
+def frozen_mode() -> str:
+    """How state_dict() gives a frozen weight released for good (release_frozen=True), whose
+    MXFP8 copy is its only value: "dequant" (the default: its dequantized FP8 values, with a
+    warning once per process) or "raise" (a named error). Set it with `frozen_values`."""
+    return getattr(_state, "frozen", "dequant")
+
+
+@contextlib.contextmanager
+def frozen_values(mode: str) -> Iterator[None]:
+    """Within this block, state_dict() (and every save built on it: torch.save of a state
+    dict, PEFT's save_pretrained, Trainer checkpoints) gives each frozen weight released for
+    good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
+    against the BF16 weight it was made from) or "raise"."""
+    if mode not in FROZEN_MODES:
+        raise ValueError(f"zrw.checkpoint.frozen_values: mode must be one of {FROZEN_MODES}, "
+                         f"got {mode!r}")
+    prev = frozen_mode()
+    _state.frozen = mode
+    try:
+        yield
+    finally:
+        _state.frozen = prev
+
+
+def warn_frozen_dequant(name: str) -> None:
+    """Once per process: a state dict holds the dequantized FP8 value of a frozen weight."""
+    global _frozen_warned
+    if _frozen_warned:
+        return
+    _frozen_warned = True
+    warnings.warn(
+        f"zrw: state_dict() gives frozen weight '{name}' (and every other frozen weight "
+        "released for good with release_frozen=True) as its dequantized MXFP8 copy: its BF16 "
+        "values no longer exist in this process (lossy against the original weights; a LoRA "
+        "adapter's own weights are exact). Keep the original checkpoint for the base model, "
+        "convert with release_frozen=False to save exact base weights, or use "
+        "zrw.checkpoint.frozen_values('raise') to refuse", UserWarning, stacklevel=4)
 
 
 def deferring() -> bool:

@@ -1,6 +1,7 @@
 """zrw.convert: swap a model's linear layers and fused MoE experts for their MXFP8 versions."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
@@ -129,17 +130,30 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
     summary = ConvertSummary(recipe=rcp.name)
     tied = _tied_weights(model)
 
-    def visit(parent: nn.Module, prefix: str) -> None:
+    unconverted_experts: List[str] = []
+
+    def visit(parent: nn.Module, prefix: str, param_wrapped: bool = False) -> None:
+        # A PEFT tuner layer (LoRA, ...) names its adapter sub-layers: they stay trainable in
+        # high precision, in either order of convert and get_peft_model.
+        adapters = set(getattr(parent, "adapter_layer_names", ()) or ())
+        # PEFT's LoRA on parameters (target_parameters: a ParamWrapper, which names its
+        # `parameter_name`) rebuilds the wrapped weight as W + BA at every forward.
+        param_wrapped = param_wrapped or bool(adapters and hasattr(parent, "parameter_name"))
         for cname, child in list(parent.named_children()):
             name = f"{prefix}.{cname}" if prefix else cname
             if isinstance(child, (MXLinear, MXFusedExperts)):
                 summary.skipped[name] = "already converted"
                 continue
+            if cname in adapters:
+                summary.skipped[name] = "PEFT adapter layer: kept in high precision"
+                continue
             is_linear = type(child) is nn.Linear
             is_experts = not is_linear and is_fused_experts(child)
             if not (is_linear or is_experts):
-                visit(child, name)
+                visit(child, name, param_wrapped)
                 continue
+            if is_experts and param_wrapped:
+                unconverted_experts.append(name)
             hit = next((s for s in skip if s in name), None)
             if hit is not None:
                 summary.skipped[name] = f"skipped (name matches {hit!r})"
@@ -170,6 +184,19 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
                     summary.released_weights.append(f"{name}.{pname}")
 
     visit(model, "")
+    if unconverted_experts:
+        shown = ", ".join(unconverted_experts[:4])
+        more = f" and {len(unconverted_experts) - 4} more" if len(unconverted_experts) > 4 else ""
+        for name in unconverted_experts:
+            summary.skipped[name] = ("converted, never released: PEFT's LoRA on its weights "
+                                     "(target_parameters) rebuilds them at every forward")
+        warnings.warn(
+            f"zrw.convert: {len(unconverted_experts)} fused-experts module(s) under PEFT's LoRA "
+            f"on parameters (target_parameters): {shown}{more}. PEFT rebuilds their weight "
+            "stacks as W + BA at every forward, so zrw quantizes that sum at each use and "
+            "cannot release the BF16 stacks (no saving on them; numerics as without release). "
+            "For the saving, target the experts' linear modules, or train the experts without "
+            "LoRA on their parameters", UserWarning, stacklevel=2)
     _install_root_hooks(model)
     return summary
 

@@ -324,7 +324,20 @@ class ReleasedWeightsStateDict:
             for n, p, _ in released:
                 destination[prefix + n] = p
             return
-        orphans = [parallel.local_tensor(p) for _, p, m in released if m is None]
+        # Frozen weights released for good (release_frozen): their FP8 copy is their only value.
+        frozen = {n: p for n, p, m in released
+                  if m is None and cache.cache_state(parallel.local_tensor(p)) == 3}
+        if frozen and checkpoint.frozen_mode() == "raise":
+            names = ", ".join(repr(cache.weight_name(parallel.local_tensor(p)) or n)
+                              for n, p in frozen.items())
+            raise RuntimeError(
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': frozen "
+                f"weight(s) {names} are released for good (release_frozen=True) and only their "
+                "MXFP8 copies exist; nothing was returned (zrw.checkpoint.frozen_values('raise') "
+                "is in effect). Use frozen_values('dequant') for their dequantized FP8 values, "
+                "or convert with release_frozen=False to keep their exact BF16 values")
+        orphans = [parallel.local_tensor(p) for n, p, m in released
+                   if m is None and n not in frozen]
         if orphans:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
             raise RuntimeError(
@@ -337,7 +350,24 @@ class ReleasedWeightsStateDict:
                 "dequantization where no master exists)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n, p, m in released:
-            destination[prefix + n] = checkpoint.materialize(p, m)
+            if n in frozen:
+                destination[prefix + n] = self._frozen_value(p)
+            else:
+                destination[prefix + n] = checkpoint.materialize(p, m)
+
+    def _frozen_value(self, p: Tensor) -> Tensor:
+        """A frozen weight released for good, as its dequantized FP8 copy (its only value;
+        what `zrw.cache.restore_frozen` writes back): a fresh tensor, the weight stays
+        released."""
+        checkpoint.warn_frozen_dequant(cache.weight_name(parallel.local_tensor(p)))
+        local = parallel.local_tensor(p)
+        with torch.no_grad():
+            q = cache.quant_and_release(local, cache_recipe(self.recipe), False,
+                                        release_frozen=True,
+                                        elem_dtype=self.recipe.elem_dtype,
+                                        scale_mode=self.recipe.scale_mode)
+            value = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, local.dtype)
+        return parallel.wrap_like(p, value)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
