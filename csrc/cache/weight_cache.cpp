@@ -709,8 +709,9 @@ class WeightCache {
     // and cache_stats()["released_bytes"] account for them.
     if (e.frozen) {
       s->release_data_and_set_meta_custom_data_ptr_error_msg_(
-          "zrw: weight '" + e.name + "' is a frozen weight released for good (release_frozen="
-          "True): only its MXFP8 copy holds its values, and it has no data now. "
+          "zrw: the BF16 storage of weight '" + e.name + "' is released (zero-redundancy "
+          "weights: a frozen weight released for good with release_frozen=True, whose MXFP8 "
+          "copy alone holds its values). It holds no data now. "
           "model.state_dict() gives its dequantized FP8 values (see zrw.checkpoint."
           "frozen_values); to write into it (PEFT's merge_and_unload, an in-place update), "
           "first bring it back from its FP8 copy (lossy: the only value left) with "

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "fsdp": "zrw.bench.fsdp",
     "step": "zrw.bench.step",
     "seed": "zrw.bench.seed",
+    "hf": "zrw.bench.hf",
 }
 
 
