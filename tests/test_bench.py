@@ -124,3 +124,18 @@ def test_bench_fsdp_json_counts_exact_bytes():
     for recipe, nbytes in expected.items():
         assert r["recipes"][recipe]["gather_bytes_per_step"] == nbytes, recipe
         assert r["ratio_to_bf16"][recipe]["gather_bytes"] == nbytes / expected["bf16"]
+
+
+@pytest.mark.slow
+def test_bench_hf_lora_saves_two_bytes_per_frozen_weight():
+    """bench hf (PEFT LoRA under Trainer, a tiny Qwen3): the frozen base released for good
+    saves exactly 2 bytes per converted weight against release off, in both phases, and the
+    losses are the same bits."""
+    r = run_bench("hf", "--jobs", "lora", "--hidden", "128", "--layers", "1", "--steps", "3",
+                  "--recipe", "mxfp8-32x32")
+    on, off = r["lora/on"], r["lora/off"]
+    two_n = 2 * on["converted"]
+    assert on["converted"] > 0
+    assert off["window"] - on["window"] == two_n
+    assert off["optimizer"] - on["optimizer"] == two_n
+    assert on["losses"] == off["losses"]

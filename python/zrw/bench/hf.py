@@ -31,7 +31,7 @@ from statistics import median
 MODES = ("bf16", "off", "on")
 
 
-def _child(job: str, mode: str, hidden: int, layers: int, steps: int) -> dict:
+def _child(job: str, mode: str, hidden: int, layers: int, steps: int, recipe: str) -> dict:
     import logging
     import warnings
 
@@ -56,13 +56,13 @@ def _child(job: str, mode: str, hidden: int, layers: int, steps: int) -> dict:
     kw = {}
     if job == "trainer":
         if mode != "bf16":
-            zrw.convert(model, release=(mode == "on"))
+            zrw.convert(model, recipe, release=(mode == "on"))
             kw["optimizer_cls_and_kwargs"] = (zrw.optim.AdamW, {"lr": 1e-4})
     else:
         from peft import LoraConfig, get_peft_model
 
         if mode != "bf16":
-            zrw.convert(model, release=(mode == "on"), release_frozen=(mode == "on"))
+            zrw.convert(model, recipe, release=(mode == "on"), release_frozen=(mode == "on"))
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear",
                                                  lora_dropout=0.0))
         kw["optimizer_cls_and_kwargs"] = (zrw.optim.AdamW, {"lr": 1e-4})
@@ -114,17 +114,19 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--jobs", default="trainer,lora")
+    p.add_argument("--recipe", default="mxfp8", choices=["mxfp8", "mxfp8-32x32"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(_child(a.child[0], a.child[1], a.hidden, a.layers, a.steps)))
+        print(json.dumps(_child(a.child[0], a.child[1], a.hidden, a.layers, a.steps, a.recipe)))
         return
     results = {}
     for job in a.jobs.split(","):
         for mode in MODES:
             cmd = [sys.executable, "-m", "zrw.bench", "hf", "--child", job, mode,
-                   "--hidden", str(a.hidden), "--layers", str(a.layers), "--steps", str(a.steps)]
+                   "--hidden", str(a.hidden), "--layers", str(a.layers), "--steps", str(a.steps),
+                   "--recipe", a.recipe]
             out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
             if out.returncode != 0:
                 raise RuntimeError(f"zrw.bench hf {job}/{mode} failed:\n{out.stderr[-3000:]}")
@@ -133,8 +135,9 @@ def main(argv=None) -> None:
         print(json.dumps(results))
         return
     mib = 2 ** 20
-    print(f"zrw: Hugging Face Trainer memory per phase (CPU, zrw.memory), Qwen3 hidden "
-          f"{a.hidden}, {a.layers} layers, {a.steps} steps x GA 2, medians of steps 2-{a.steps}")
+    print(f"zrw: Hugging Face Trainer memory per phase (CPU, zrw.memory), recipe {a.recipe}, "
+          f"Qwen3 hidden {a.hidden}, {a.layers} layers, {a.steps} steps x GA 2, medians of "
+          f"steps 2-{a.steps}")
     for job in a.jobs.split(","):
         r = {m: results[f"{job}/{m}"] for m in MODES}
         two_n = 2 * r["on"]["converted"] / mib
