@@ -150,7 +150,12 @@ class MasterWeights(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], params: Iterable,
-                 *, keep_released: bool = True, **kwargs: Any):
+                 *, keep_released: bool = True, max_grad_norm: Optional[float] = None,
+                 **kwargs: Any):
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, (int, float)) or not max_grad_norm > 0):
+            raise ValueError(f"MasterWeights: max_grad_norm must be a positive number or None, "
+                             f"got {max_grad_norm!r}")
         if isinstance(optimizer_cls, torch.optim.Optimizer):
             raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
                             f"subclass (it is built over the FP32 masters), got an instance of "
@@ -170,6 +175,8 @@ class MasterWeights(torch.optim.Optimizer):
         groups = _as_group_list(params)
         self.optimizer_cls = optimizer_cls
         self.keep_released = keep_released
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: Optional[float] = None  # before clipping, of the last step
         self.masters: List[List[torch.Tensor]] = []
         self._ready = False
         self._keep_grads = False  # zero_grad(set_to_none=False) seen: keep the BF16 grads
@@ -319,6 +326,18 @@ class MasterWeights(torch.optim.Optimizer):
                 self._freed.append((p, m))
             del g
 
+    def _clip(self) -> None:
+        """max_grad_norm: clip the FP32 gradients of the masters together (the norm over every
+        parameter's gradient, main_grad or .grad), as torch.nn.utils.clip_grad_norm_ does; the
+        way to clip with main_grad=True, which gradient clipping on the model's `.grad` cannot
+        see (Megatron clips in its optimizer too). The norm before clipping is
+        `last_grad_norm`."""
+        grads = [m for ms in self.masters for m in ms if m.grad is not None]
+        if self.max_grad_norm is None or not grads:
+            return
+        norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        self.last_grad_norm = float(norm)
+
     def _return_grads(self) -> None:
         """After a failed step: the parameters get back the gradients converted for it (exact:
         fp32 holds every bf16/fp16 value), so that a retried step() steps what this one would
@@ -373,6 +392,7 @@ class MasterWeights(torch.optim.Optimizer):
         try:
             if closure is None:
                 self._grads_to_masters()
+                self._clip()
                 loss = self.inner.step()
             else:
                 evaluations = 0
@@ -385,6 +405,7 @@ class MasterWeights(torch.optim.Optimizer):
                     with torch.enable_grad():
                         loss = closure()
                     self._grads_to_masters()
+                    self._clip()
                     return loss
 
                 loss = self.inner.step(inner_closure)
@@ -488,8 +509,10 @@ class AdamW(MasterWeights):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 keep_released: bool = True, **kwargs: Any):
-        super().__init__(torch.optim.AdamW, params, keep_released=keep_released, lr=lr,
+                 keep_released: bool = True, max_grad_norm: Optional[float] = None,
+                 **kwargs: Any):
+        super().__init__(torch.optim.AdamW, params, keep_released=keep_released,
+                         max_grad_norm=max_grad_norm, lr=lr,
                          betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          **kwargs)
         attach(self)

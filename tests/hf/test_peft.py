@@ -158,11 +158,54 @@ def test_frozen_base_released_for_good(recipe, tmp_path):
     ids = batches(1)[0]
     with torch.no_grad():
         out = merged(input_ids=ids).logits
-    check = tiny_qwen3()
-    check.load_state_dict(merged.state_dict())
+    # save_pretrained of the merged model reloads into a plain model, which converted
+    # computes the same logits
+    merged.save_pretrained(str(tmp_path / "merged"))
+    reloaded = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=BF16)
+    for k, v in merged.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[k], v), k
+    check = tiny_qwen3()  # the same config as the merged model (from_pretrained may pick
+    check.load_state_dict(reloaded.state_dict())  # another attention implementation)
     zrw.convert(check, recipe, release=False)
     with torch.no_grad():
         assert torch.equal(check(input_ids=ids).logits, out)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+def test_lora_under_trainer_checkpoints(recipe, tmp_path):
+    """LoRA on a base released for good, under Trainer with zrw.optim.AdamW: release on = off
+    bit for bit, and the Trainer's checkpoint holds the adapter, which loads into a plain
+    base."""
+    from transformers import Trainer, TrainingArguments
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            ids = batches(8)[i // 2][i % 2]
+            return {"input_ids": ids, "labels": ids}
+
+    runs = {}
+    for release in (False, True):
+        model = build("convert-first", release, recipe, release_frozen=True)
+        args = TrainingArguments(output_dir=str(tmp_path / str(release)),
+                                 per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=2, save_steps=2, max_grad_norm=1.0, report_to=[],
+                                 use_cpu=True, seed=0, logging_steps=1, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=Data(),
+                          optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-2}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[release] = ([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                         adapter(model))
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert torch.equal(runs[True][1][k], v), k
+    got = PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path / "True" / "checkpoint-2"))
+    for k, v in adapter(got).items():
+        assert torch.equal(v, runs[True][1][k]), k
 
 
 def test_parametrized_experts_warn():
