@@ -445,3 +445,21 @@ def test_load_state_dict_assign_keeps_the_weight_names():
     saved = snapshot(model)
     model.load_state_dict(saved, assign=True)
     assert cache.weight_name(model.up.weight) == "up.weight"
+
+
+def test_a_write_through_data_to_a_frozen_weight_is_seen_by_the_next_training_use():
+    """A frozen weight that keeps its storage (release_frozen=False), written through `.data`
+    between two training uses of one step (PEFT's merge, a hand-written update): the second
+    use computes with the written values, never with a copy of the old ones."""
+    torch.manual_seed(0)
+    lin = zrw.nn.MXLinear(64, 64, bias=False, dtype=BF16)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(4, 64, dtype=BF16, requires_grad=True)
+    lin(x).float().sum().backward()
+    lin.weight.data += 0.5
+    y = lin(x)
+    fresh = zrw.nn.MXLinear(64, 64, bias=False, dtype=BF16)
+    with torch.no_grad():
+        fresh.weight.copy_(lin.weight)
+    fresh.weight.requires_grad_(False)
+    assert torch.equal(y, fresh(x))

@@ -290,6 +290,13 @@ class WeightCache {
       release_storage_locked(w, e);
     } else {
       ++skips_[e.status];
+      if (!w.requires_grad()) {
+        // A frozen weight that keeps its storage is quantized at each use and never filed: no
+        // optimizer boundary marks when it changes, and a write through `.data` (PEFT's
+        // merge_and_unload, a hand-written update) bumps no version, so a kept copy could go
+        // stale; it also costs no FP8 bytes between uses.
+        return e.tensors;
+      }
     }
     auto out = e.tensors;
     table_.emplace(key, std::move(e));
