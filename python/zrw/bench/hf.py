@@ -104,7 +104,8 @@ def _child(job: str, mode: str, hidden: int, layers: int, steps: int, recipe: st
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     n_conv = sum(m.weight.numel() for m in model.modules() if isinstance(m, zrw.nn.MXLinear))
     return {"window": median(window[1:]), "optimizer": median(optimizer[1:]),
-            "losses": losses, "converted": n_conv}
+            "losses": losses, "converted": n_conv,
+            "fp8_bytes": zrw.cache.cache_stats()["fp8_bytes"]}
 
 
 def main(argv=None) -> None:
