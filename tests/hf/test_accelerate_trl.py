@@ -7,8 +7,8 @@ import torch
 
 accelerate = pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+import hf_models  # noqa: E402
 import zrw  # noqa: E402
 from zrw import cache  # noqa: E402
 
@@ -17,14 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def tiny_qwen3(seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=126,
-                      eos_token_id=127)
-    return Qwen3ForCausalLM(cfg).to(BF16)
-
-
+    return hf_models.tiny_qwen3(seed, pad_token_id=126, eos_token_id=127)
 def data(n=8, seq=16):
     g = torch.Generator().manual_seed(3)
     return torch.randint(0, 120, (n, seq), generator=g)

@@ -13,21 +13,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import Qwen3ForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import zrw  # noqa: E402
+from hf_models import tiny_qwen3  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.slow
-
-
-def tiny_qwen3(seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=64, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(cfg).to(BF16)
 
 
 class Tokens(torch.utils.data.Dataset):

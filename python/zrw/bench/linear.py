@@ -158,7 +158,7 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
         with torch.no_grad():
             layer.weight.copy_(w0)
         # zrw releases only a weight that an optimizer with the boundary owns
-        owner = zrw.optim.attach(torch.optim.SGD(layer.parameters(), lr=0.0), fill="dequant")
+        _owner = zrw.optim.attach(torch.optim.SGD(layer.parameters(), lr=0.0), fill="dequant")
         _step(layer, x, dy)  # the step's first microbatch: quantize and release
         assert cache.is_released(layer.weight)
         hit = _instrumented(lambda: _step(layer, x, dy), repeat)
