@@ -241,7 +241,8 @@ _CHUNK = 1 << 20  # elements compared at a time: the check's transient stays sma
 
 def weight_signature(p: torch.Tensor):
     """What changes when a parameter is written through autograd-visible ops (its version) or
-    gets new data (`p.data = t`, a cast): read without touching a released weight's bytes."""
+    is cast (dtype, device, shape): read without touching a released weight's bytes. Writes
+    through `.data` change none of it: holds_master compares the bits."""
     return (p._version, p.dtype, p.device, tuple(p.shape))
 
 

@@ -260,9 +260,12 @@ class MasterWeights(torch.optim.Optimizer):
     # `.data`, a dtype cast (`p.data = p.float()`). Its master must then take the new value,
     # as the optimizer of a release-off run or of plain PyTorch would step it. After each
     # write-back every parameter is exactly master.to(p.dtype); before each step (and before
-    # the masters are saved) a parameter whose version counter, storage, dtype or bits differ
-    # from that is copied into its master. A released weight cannot be written (its storage is
-    # poisoned): its master is the one the layers' load path writes.
+    # the masters are saved) a parameter whose version counter, dtype, device, shape or bits
+    # differ from that is copied into its master (the bits catch writes through `.data`, which
+    # bump no version; the storage's address is not compared: a cast there and back may reuse
+    # it, and must not decide the result). A released weight cannot be written (its storage is
+    # poisoned): the layers update its master when they load into it or restore it, and
+    # zrw.cache syncs a written weight before its first use releases it.
 
     def _pairs(self):
         for group, masters in zip(self.param_groups, self.masters):
