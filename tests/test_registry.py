@@ -128,3 +128,17 @@ def test_wrapper_and_reference_take_the_schema_arguments(name):
     expected = [arg.name for arg in schema.arguments]
     assert list(inspect.signature(wrapper).parameters) == expected, f"zrw.ops.{name}"
     assert list(inspect.signature(spec).parameters) == expected, f"zrw.reference.{name}"
+
+
+def test_the_design_cards_entry_points_are_in_zrw_ops():
+    """DESIGN.md §4: `zrw.ops.quant_and_release(w)` is the call a custom layer makes, with the
+    restore calls next to it; they are zrw.cache's functions themselves (one implementation)."""
+    import zrw
+
+    for name in ("quant_and_release", "restore", "restore_all"):
+        assert getattr(zrw.ops, name) is getattr(zrw.cache, name), name
+    w = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    q = zrw.ops.quant_and_release(w, "mxfp8", name="card")
+    assert zrw.cache.is_released(w) and q.fwd.data.dtype == torch.float8_e4m3fn
+    zrw.ops.restore(w, "dequant")
+    assert not zrw.cache.is_released(w)

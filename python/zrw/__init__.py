@@ -20,6 +20,14 @@ from . import _autograd  # noqa: E402,F401  (the MX ops refuse inputs that requi
 from . import _released_queries  # noqa: E402,F401  (is_shared of a released weight: no abort)
 from . import config, ops, planes, reference  # noqa: E402,F401
 from . import cache  # noqa: E402,F401
+
+# The design card's entry points for custom layers (DESIGN.md §4): zrw.ops.quant_and_release,
+# zrw.ops.restore and zrw.ops.restore_all are zrw.cache's calls themselves (one
+# implementation). They are bound here, at the package root, so that zrw.ops, the lowest
+# layer, imports nothing above it (zrw.cache builds on zrw.ops).
+ops.quant_and_release = cache.quant_and_release
+ops.restore = cache.restore
+ops.restore_all = cache.restore_all
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .planes import MXWeight  # noqa: E402,F401
 from .cache import no_release  # noqa: E402,F401

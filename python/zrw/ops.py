@@ -5,6 +5,11 @@ Conventions (DESIGN.md §3): a block is 32 consecutive elements along one axis; 
 elements are torch.float8_e4m3fn (default) or torch.float8_e5m2; scales are
 torch.float8_e8m0fnu (biased exponent byte, 0xFF = NaN). A dimension that is not a multiple of
 32 ends in a shorter block; scale extents are ceil(D / 32).
+
+The lifecycle calls a custom layer makes, `quant_and_release(w, ...)` (first use in a step:
+quantize, cache, release the BF16 storage) and the restores `restore(w, fill)` /
+`restore_all(fill)`, are reachable here as the design card names them: they are
+zrw.cache's own functions, bound into this module by the zrw package (see zrw/__init__.py).
 """
 from __future__ import annotations
 
