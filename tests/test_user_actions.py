@@ -463,3 +463,22 @@ def test_a_write_through_data_to_a_frozen_weight_is_seen_by_the_next_training_us
         fresh.weight.copy_(lin.weight)
     fresh.weight.requires_grad_(False)
     assert torch.equal(y, fresh(x))
+
+
+def test_error_paths_name_what_was_expected():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"max_grad_norm must be a positive number or None, "
+                                         r"got -1"):
+        MasterWeights(torch.optim.SGD, lin.parameters(), lr=0.1, max_grad_norm=-1)
+    with pytest.raises(ValueError, match=r"restore_frozen: fill must be 'dequant'.*got 'zeros'"):
+        cache.restore_frozen(lin, "zeros")
+    with pytest.raises(ValueError, match=r"frozen_values: mode must be one of .*got 'exact'"):
+        with zrw.checkpoint.frozen_values("exact"):
+            pass
+    # a parameter whose shape changed under the optimizer (p.data = a tensor of another shape)
+    opt = MasterWeights(torch.optim.SGD, lin.parameters(), lr=0.1)
+    lin.weight.data = torch.zeros(2, 4)
+    lin.weight.grad = torch.zeros(2, 4)
+    with pytest.raises(RuntimeError, match=r"changed shape from \(4, 4\) to \(2, 4\).*new "
+                                           r"optimizer"):
+        opt.step()
