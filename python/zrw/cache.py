@@ -191,10 +191,12 @@ def _sync_before_release(w: Tensor) -> None:
     written value now, since nothing can read the weight once it is released (MasterWeights
     reads the unreleased ones at its step)."""
     written = getattr(w, "_zrw_written", None)
-    if written is None:
+    # Every later use in the step is a cache hit: the entry's state, one native lookup, is
+    # checked before the master (a Python registry and, for a released weight, a native call).
+    if written is None or torch.ops.zrw.cache_state(w) != 0:
         return
     master = master_of(w)
-    if master is None or torch.ops.zrw.cache_state(w) != 0:
+    if master is None:
         return
     if weight_signature(w) == written and holds_master(w, master):
         return
