@@ -3,7 +3,7 @@ threads around release and restore.
 
 Crash-prone cases run in a child process, so that a regression (a segfault, a heap corruption
 abort) fails one test instead of killing the suite. Out-of-memory is injected with
-zrw.memory.fail_allocations (the counting allocator, installed before any weight is built).
+zrw.testing.fail_allocations (the counting allocator, installed before any weight is built).
 """
 import subprocess
 import sys
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zrw
+import zrw.testing
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
 
@@ -93,7 +94,7 @@ def test_replaced_data_is_requantized_at_the_next_use():
 
 def test_failed_allocation_in_restore_changes_nothing():
     out = run_child("""
-        import torch, zrw
+        import torch, zrw, zrw.testing
         from zrw import cache, ops
         zrw.memory.install()
         w = torch.nn.Parameter(torch.randn(96, 64).to(torch.bfloat16))
@@ -102,7 +103,7 @@ def test_failed_allocation_in_restore_changes_nothing():
         for fill in ("empty", "zeros", "dequant"):
             # The bytes of the weight itself fail (after=0); for dequant also its fill's buffer.
             for after in ((0, 1) if fill == "dequant" else (0,)):
-                with zrw.memory.fail_allocations(min_bytes=96 * 64 * 2, after=after):
+                with zrw.testing.fail_allocations(min_bytes=96 * 64 * 2, after=after):
                     try:
                         cache.restore(w, fill)
                     except torch.OutOfMemoryError as e:
@@ -173,7 +174,7 @@ def test_restore_all_fault_keeps_the_failed_weight_and_restores_the_rest(after):
         cache.set_weight_name(w, f"w{i}")
     expected = [dequant_of(cache.quant_and_release(w)) for w in ws]
     # Every weight is at least 2 * 32 * 64 bytes; the fill buffers of "zeros" are none.
-    with zrw.memory.fail_allocations(min_bytes=4096, after=after):
+    with zrw.testing.fail_allocations(min_bytes=4096, after=after):
         with pytest.raises(torch.OutOfMemoryError, match=r"1 weight could not be restored") as ei:
             cache.restore_all("zeros")
     failed = [i for i, w in enumerate(ws) if cache.is_released(w)]
@@ -193,7 +194,7 @@ def test_assign_weights_fault_keeps_the_weight_restorable(after):
     masters = [torch.randn(s) for s in SHAPES]
     for w in ws:
         cache.quant_and_release(w)
-    with zrw.memory.fail_allocations(min_bytes=4096, after=after):
+    with zrw.testing.fail_allocations(min_bytes=4096, after=after):
         with pytest.raises(torch.OutOfMemoryError, match="1 weight could not be written; each is left as it was"):
             cache.assign_weights(ws, masters)
     released = [cache.is_released(w) for w in ws]
@@ -425,7 +426,7 @@ def test_restore_all_master_never_falls_back_to_dequant_for_a_weight_with_a_mast
     with torch.no_grad():
         opt.masters[0][0].add_(1e-3)  # so that the dequantized copy and the master differ
     cache.quant_and_release(w, name="w")
-    with zrw.memory.fail_allocations(min_bytes=256 * 256, count=1):
+    with zrw.testing.fail_allocations(min_bytes=256 * 256, count=1):
         with pytest.raises(RuntimeError, match="'w': .*injected allocation failure"):
             cache.restore_all("master")
     assert cache.is_released(w) and cache.cache_stats()["fp8_bytes"] > 0

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import zrw
+import zrw.testing
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 
@@ -402,7 +403,7 @@ def test_out_of_memory_while_converting_gradients_can_be_retried():
     for m in (a, b):
         m(x).float().sum().backward()
     # the second FP32 gradient of at least 256 KiB (the weight's) fails to allocate
-    with zrw.memory.fail_allocations(min_bytes=256 * 256 * 4, count=1):
+    with zrw.testing.fail_allocations(min_bytes=256 * 256 * 4, count=1):
         with pytest.raises(torch.OutOfMemoryError):
             ours.step()
     assert a.weight.grad is not None and a.bias.grad is not None

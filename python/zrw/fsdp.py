@@ -27,14 +27,14 @@ Both carry the layer's QuantRecipe: its element dtype and scale rule are the one
 quantized with. The gathered weight is an `MXGatheredWeight`, a zrw.planes.MXPlanesCarrier:
 shape and dtype of the unsharded parameter, data held as the MX planes; the zrw layers read the
 planes (`mx_weight`), any other use raises. zrw.fsdp imports no layer and no layer imports it.
+`stats()` counts the shard quantizations (once per weight and optimizer step).
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 import weakref
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -43,14 +43,13 @@ from torch.utils._pytree import tree_map
 from . import cache, ops, optim, planes
 from .config import QuantRecipe, get_recipe
 
-__all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "count_all_gather_bytes",
-           "clear_shard_cache", "shard_quantizations"]
+__all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "clear_shard_cache", "stats"]
 
 aten = torch.ops.aten
 
 # Every PreQuantWeight alive, so that the optimizer boundary can drop their shard caches.
 _live: "weakref.WeakSet[PreQuantWeight]" = weakref.WeakSet()
-_quantize_count = {"n": 0}
+_stats = {"shard_quantizations": 0}  # stats(); written under _lock
 _lock = threading.Lock()
 
 
@@ -68,9 +67,12 @@ def _layout(recipe: QuantRecipe) -> str:
     return "mxfp8-32x32" if recipe.block_32x32 else "mxfp8"
 
 
-def shard_quantizations() -> int:
-    """How many times a shard has been quantized in this process (for tests and benchmarks)."""
-    return _quantize_count["n"]
+def stats() -> Dict[str, int]:
+    """zrw.fsdp's counters in this process, since it started: shard_quantizations (how many times
+    a rank quantized a PreQuantWeight's shard for an all-gather: once per weight and optimizer
+    step, every micro-batch's gather and the backward re-gather reuse it)."""
+    with _lock:
+        return dict(_stats)
 
 
 # Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,
@@ -165,7 +167,7 @@ class PreQuantWeight(torch.Tensor):
         else:
             planes = list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode))
         with _lock:
-            _quantize_count["n"] += 1
+            _stats["shard_quantizations"] += 1
         self._zrw_planes = (step, str(param_dtype), planes)
         return planes
 
@@ -396,31 +398,3 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
             n += 1
     return n
 
-
-@contextlib.contextmanager
-def count_all_gather_bytes() -> Iterator[Dict[str, int]]:
-    """Count the bytes all-gathered at the process group: wraps ProcessGroup.all_gather_single
-    (what FSDP2 2.13 calls) and ProcessGroup._allgather_base (all_gather_into_tensor). Yields a
-    dict with "bytes" (output bytes: what each rank receives, its own shard included) and
-    "calls", updated as collectives run."""
-    from torch.distributed import ProcessGroup
-
-    counts = {"bytes": 0, "calls": 0}
-    originals = {}
-    for meth in ("all_gather_single", "_allgather_base"):
-        orig = getattr(ProcessGroup, meth, None)
-        if orig is None:
-            continue
-        originals[meth] = orig
-
-        def counting(self, output_tensor, input_tensor, *args, _orig=orig, **kwargs):
-            counts["bytes"] += output_tensor.numel() * output_tensor.element_size()
-            counts["calls"] += 1
-            return _orig(self, output_tensor, input_tensor, *args, **kwargs)
-
-        setattr(ProcessGroup, meth, counting)
-    try:
-        yield counts
-    finally:
-        for meth, orig in originals.items():
-            setattr(ProcessGroup, meth, orig)

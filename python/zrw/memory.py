@@ -4,7 +4,8 @@
 afterwards is counted: `current()` live bytes, `peak()` since install or the last `reset_peak()`,
 like torch.cuda.memory_allocated / max_memory_allocated. Install it before the model is built:
 blocks allocated earlier are invisible to it, and so are their frees. RSS is too coarse for this
-and the CPU profiler does not see frees of earlier blocks either.
+and the CPU profiler does not see frees of earlier blocks either. Fault injection on this
+allocator (failing allocations on demand) is a test instrument: zrw.testing.fail_allocations.
 """
 from __future__ import annotations
 
@@ -61,24 +62,3 @@ def window() -> Iterator[dict]:
         out["end"] = current()
         out["peak"] = peak()
 
-
-@contextlib.contextmanager
-def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iterator[None]:
-    """Fault injection for tests: within the block, of the CPU allocations of at least
-    `min_bytes`, the first `after` succeed and the `count` after them raise
-    torch.OutOfMemoryError, as a real out-of-memory would. Allocations go through the counting
-    allocator only once install() ran (a storage created earlier keeps the allocator it had)."""
-    _require()
-    if min(min_bytes, count, after) < 0:
-        raise ValueError(f"zrw.memory.fail_allocations: min_bytes, count and after must be >= 0, "
-                         f"got {min_bytes}, {count} and {after}")
-    _C.memory_fail_next(int(min_bytes), int(after), int(count))
-    try:
-        yield
-    finally:
-        _C.memory_fail_next(0, 0, 0)
-
-
-def pending_failures() -> int:
-    """Injected allocation failures that have not happened yet."""
-    return _C.memory_pending_failures() if _C.memory_installed() else 0

@@ -198,7 +198,7 @@ def run_fsdp(args):
     for name, mod in model.named_modules():
         if isinstance(mod, (zrw.nn.MXLinear, zrw.nn.MXFusedExperts)):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
-    q0 = zrw.fsdp.shard_quantizations()
+    q0 = zrw.fsdp.stats()["shard_quantizations"]
     per_step_bytes = []
     with count_gathered_bytes() as counts:
         for step in range(args.steps):
@@ -214,7 +214,7 @@ def run_fsdp(args):
             per_step_bytes.append(counts["bytes"] - before)
             opt.step()
             opt.zero_grad()
-    quantizations = zrw.fsdp.shard_quantizations() - q0
+    quantizations = zrw.fsdp.stats()["shard_quantizations"] - q0
     resident = {name: sum(v.untyped_storage().nbytes() for v in st["planes"].values()
                           if v is not None)
                 for name, st in states.items()}

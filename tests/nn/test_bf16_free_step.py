@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import zrw
-from zrw import cache, memory
+from zrw import cache, memory, testing
 from zrw.nn import MXLinear
 from zrw.optim import MasterWeights, attach, detach
 
@@ -533,7 +533,7 @@ def test_failed_quantization_from_the_master_loses_nothing(recipe):
     opt.step()
     master = opt.masters[0][0]
     assert cache.cache_stats()["pending"] == 1
-    with memory.fail_allocations(min_bytes=256 * 256, count=1):
+    with testing.fail_allocations(min_bytes=256 * 256, count=1):
         with pytest.raises(torch.OutOfMemoryError):
             cache.quant_and_release(w, recipe)
     assert cache.is_released(w) and cache.master_of(w) is master
@@ -544,7 +544,7 @@ def test_failed_quantization_from_the_master_loses_nothing(recipe):
            else zrw.ops.mx_quantize_block(bf16))
     assert torch.equal(q.fwd.data.view(torch.uint8), ref[0].view(torch.uint8))
     # Out of memory in the restore that leaves the mode: nothing changes, the retry is exact.
-    with memory.fail_allocations(min_bytes=256 * 256, count=1):
+    with testing.fail_allocations(min_bytes=256 * 256, count=1):
         with pytest.raises(RuntimeError, match="'w': .*injected allocation failure"):
             cache.restore_all("master")
     assert cache.is_released(w)

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import zrw  # noqa: F401
+import zrw.testing
 
 CASES_SCRIPT = r"""
-import sys, torch, zrw
+import sys, torch, zrw, zrw.testing
 from zrw import ops
 torch.manual_seed(0)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -56,9 +57,9 @@ for name, elem, a_t, b_t, m, n, k, sa_, sb_, zr in cases:
     qa, sa = operand(m, k, a_t, elem, sa_, zr)
     qb, sb = operand(n, k, b_t, elem, sb_)
     for out in (torch.bfloat16, torch.float16, torch.float32):
-        zrw._C.cpu_reset_gemm_counts()
+        zrw.testing.reset_gemm_counts()
         y = ops.mx_matmul(qa, sa, qb, sb, out)
-        counts = zrw._C.cpu_gemm_counts()
+        counts = zrw.testing.gemm_counts()
         ran = [key for key, v in counts.items() if v]
         ref = (ops.mx_dequantize(qa.contiguous(), sa.contiguous(), -1, torch.float32).double()
                @ ops.mx_dequantize(qb.contiguous(), sb.contiguous(), -1, torch.float32).double().t())
@@ -185,9 +186,9 @@ def test_grouped_experts_take_the_same_gemm_path():
 
     layer = MXGroupedLinear(4, 64, 96, release=False, dtype=torch.bfloat16)
     x = torch.randn(40, 64).to(torch.bfloat16).requires_grad_(True)
-    zrw._C.cpu_reset_gemm_counts()
+    zrw.testing.reset_gemm_counts()
     layer(x, [10, 0, 25, 5]).float().sum().backward()
-    counts = zrw._C.cpu_gemm_counts()
+    counts = zrw.testing.gemm_counts()
     assert counts[zrw._C.cpu_gemm()] == 3 * 3  # 3 experts with tokens x (fwd, dgrad, wgrad)
     assert sum(counts.values()) == 9
     zrw.cache.cache_clear()

@@ -7,7 +7,7 @@ fully_shard (bf16 param_dtype, fp32 reduce), once per recipe, in one run:
     and every layer quantizes the gathered weight;
   * mxfp8, mxfp8-32x32: zrw.fsdp.prepare, the weights gather as MXFP8.
 Per optimizer step it reports the bytes all-gathered at the process group
-(zrw.fsdp.count_all_gather_bytes: what each rank receives), the time spent in the all-gather
+(zrw.testing.count_all_gather_bytes: what each rank receives), the time spent in the all-gather
 calls (each one waited on inside the timing) and the whole step's time, as ratios to bf16. Times
 are the best step after the first (which sizes FSDP2's buffers) and the slower rank's.
 """
@@ -73,6 +73,7 @@ def _train(recipe: str, cfg: dict, mesh) -> dict:
 
     import zrw
     import zrw.fsdp
+    import zrw.testing
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -93,7 +94,7 @@ def _train(recipe: str, cfg: dict, mesh) -> dict:
     g = torch.Generator().manual_seed(1 + rank)
     xs = [torch.randn(tokens, d, generator=g) for _ in range(cfg["micro_batches"])]
     steps = []
-    with zrw.fsdp.count_all_gather_bytes() as counts, _GatherTimer() as timer:
+    with zrw.testing.count_all_gather_bytes() as counts, _GatherTimer() as timer:
         for _ in range(cfg["steps"]):
             dist.barrier()
             b0, g0, t0 = counts["bytes"], timer.seconds, time.perf_counter()
