@@ -39,7 +39,8 @@ ELEM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class ScalingGranularityEnum(enum.Enum):
-    """How many elements share one scale."""
+    """How many elements share one scale. All three describe the format; zrw's kernels implement
+    MX only, and a QuantRecipe refuses the others."""
 
     MX = "mx"  # a block of elements shares a power-of-two (E8M0) scale
     PER_TENSOR = "per_tensor"
@@ -95,9 +96,10 @@ class QuantRecipe:
     """How a layer quantizes its weight, its input activation and its output gradient.
 
     ``elem_dtype`` is the fp8 element format (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) and
-    ``scale_mode`` the MX scale rule (``"floor"`` or ``"rceil"``, see ``zrw.reference``). Only
-    weights may use 32x32 tiles: activations and gradients are quantized per 1x32 block along the
-    axis each matmul reduces over.
+    ``scale_mode`` the MX scale rule (``"floor"`` or ``"rceil"``, see ``zrw.reference``). Every
+    granularity must be MX (PER_TENSOR and PER_CHANNEL are refused: zrw has no kernel for them).
+    Only weights may use 32x32 tiles: activations and gradients are quantized per 1x32 block along
+    the axis each matmul reduces over.
     """
 
     name: str
@@ -117,9 +119,22 @@ class QuantRecipe:
                     f"QuantRecipe {self.name!r}: {field_name} must be a ScalingGranularity, "
                     f"found {granularity!r}"
                 )
+        # PER_TENSOR and PER_CHANNEL describe scalings of the format that zrw has no kernel for:
+        # refused here rather than run as 1x32 MX blocks behind the recipe's back.
+        for field_name, implemented in (("weight_granularity", MX_BLOCK_SIZES),
+                                        ("act_granularity", (MX_BLOCK_1x32,)),
+                                        ("grad_granularity", (MX_BLOCK_1x32,))):
+            granularity = getattr(self, field_name)
+            if not granularity.is_mx:
+                blocks = " or ".join(str(list(size)) for size in implemented)
+                raise ValueError(
+                    f"QuantRecipe {self.name!r}: {field_name} must be ScalingGranularityEnum.MX "
+                    f"with block_size {blocks} (zrw implements MX scaling only), found "
+                    f"ScalingGranularityEnum.{granularity.stype.name}"
+                )
         for field_name in ("act_granularity", "grad_granularity"):
             granularity = getattr(self, field_name)
-            if granularity.is_mx and granularity.block_size != MX_BLOCK_1x32:
+            if granularity.block_size != MX_BLOCK_1x32:
                 raise ValueError(
                     f"QuantRecipe {self.name!r}: {field_name} block_size must be "
                     f"{list(MX_BLOCK_1x32)} (32x32 tiles are for weights only), "
