@@ -37,8 +37,10 @@ TORCH_LIBRARY(zrw, m) {
   // optimizer hooks outside compiled regions. quant_and_release returns, for "mxfp8",
   // [data_fwd, scale_fwd, data_bwd, scale_bwd]; for "mxfp8-32x32",
   // [data, scale_fwd, data, scale_bwd, block_scale] (one data tensor for both directions).
+  // `trainable` (None: w.requires_grad) says whether an optimizer steps w: a DTensor's local
+  // shard never requires grad itself (its DTensor does), and is released as trainable.
   m.def("quant_and_release(Tensor w, str recipe, bool release, bool release_frozen,"
-        " ScalarType elem_dtype, str scale_mode, str name) -> Tensor[]");
+        " ScalarType elem_dtype, str scale_mode, str name, bool? trainable=None) -> Tensor[]");
   // Restores write into the storage a weight was released with, never into another one;
   // fill "master" takes its values from `source` (the FP32 master).
   m.def("restore(Tensor w, str fill, Tensor? source) -> ()");

@@ -376,8 +376,13 @@ CASES = [
      r"^zrw\.cache\.set_weight_name: name must be a str, got int"),
     ("weight_name-None", lambda e: cache.weight_name(None), TypeError,
      r"^zrw\.cache\.weight_name: w must be a torch\.Tensor, got NoneType"),
-    ("trainable_as-None", lambda e: cache.trainable_as(None, True).__enter__(), TypeError,
-     r"^zrw\.cache\.trainable_as: w must be a torch\.Tensor, got NoneType"),
+    ("quant_and_release-trainable-str",
+     lambda e: cache.quant_and_release(e.w, "mxfp8", trainable="yes"), TypeError,
+     r"^zrw\.cache\.quant_and_release: trainable must be a bool or None, got str"),
+    ("restore-source-str", lambda e: cache.restore(e.w, "master", source="x"), TypeError,
+     r"^zrw\.cache\.restore: source must be a torch\.Tensor, got str"),
+    ("restore-source-fill", lambda e: cache.restore(e.w, "dequant", source=e.w), ValueError,
+     r"^zrw\.cache\.restore: source is only read by fill='master', got fill='dequant'"),
 ]
 
 

@@ -61,7 +61,7 @@ def test_replaced_data_is_never_written_and_the_weight_stays_restorable():
                 else:
                     raise AssertionError("restore into replaced data did not raise")
                 assert torch.equal(t, t_ref)  # nothing was written into the new data
-                assert cache.cache_state(w) == 2  # still released, entry and FP8 copy kept
+                assert cache.cache_state(w) == "released"  # still released, entry and FP8 copy kept
             try:
                 cache.restore_all("dequant")
             except RuntimeError as e:
@@ -70,9 +70,9 @@ def test_replaced_data_is_never_written_and_the_weight_stays_restorable():
                 raise AssertionError("restore_all did not raise")
             assert not cache.is_released(keep)  # the other weight was restored anyway
             keep.sum()
-            assert torch.equal(t, t_ref) and cache.cache_state(w) == 2
+            assert torch.equal(t, t_ref) and cache.cache_state(w) == "released"
             # The user's choice stands: invalidate drops the stale copy, the new data stays.
-            assert cache.cache_invalidate(w) is True and cache.cache_state(w) == 0
+            assert cache.cache_invalidate(w) is True and cache.cache_state(w) == "none"
             assert torch.equal(w.detach(), t_ref)
             print("OK", new, flush=True)
     """)
@@ -110,7 +110,7 @@ def test_failed_allocation_in_restore_changes_nothing():
                         assert "injected" in str(e)
                     else:
                         raise AssertionError("no OOM")
-                assert cache.cache_state(w) == 2
+                assert cache.cache_state(w) == "released"
                 try:
                     w.sum()  # the poison is still there: an error, not a null-pointer read
                 except RuntimeError as e:

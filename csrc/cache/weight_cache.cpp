@@ -201,7 +201,7 @@ class WeightCache {
                                             bool release, bool release_frozen,
                                             at::ScalarType elem_dtype,
                                             const std::string& scale_mode,
-                                            const std::string& name) {
+                                            const std::string& name, bool trainable) {
     constexpr const char* op = "zrw.quant_and_release";
     const Recipe recipe = parse_recipe(op, recipe_str);
     checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
@@ -258,9 +258,9 @@ class WeightCache {
         ++hits_;
         // Filed under no_grad (a reentrant checkpoint's forward) and now used for training (its
         // recompute): release now. release=False stays an explicit choice for the step.
-        if (eval_copy && release && release_guard(w, release, release_frozen) == kReleased) {
+        if (eval_copy && release && release_guard(w, trainable, release, release_frozen) == kReleased) {
           e.status = kReleased;
-          release_storage_locked(w, e);
+          release_storage_locked(w, e, trainable);
         }
         return e.tensors;
       }
@@ -285,12 +285,12 @@ class WeightCache {
     e.tensors = quantize(w, recipe, elem_dtype, scale_mode);
     e.version = key->version_counter().current_version();
     e.storage_nbytes = static_cast<int64_t>(w.storage().nbytes());
-    e.status = release_guard(w, release, release_frozen);
+    e.status = release_guard(w, trainable, release, release_frozen);
     if (e.status == kReleased) {
-      release_storage_locked(w, e);
+      release_storage_locked(w, e, trainable);
     } else {
       ++skips_[e.status];
-      if (!w.requires_grad()) {
+      if (!trainable) {
         // A frozen weight that keeps its storage is quantized at each use and never filed: no
         // optimizer boundary marks when it changes, and a write through `.data` (PEFT's
         // merge_and_unload, a hand-written update) bumps no version, so a kept copy could go
@@ -680,11 +680,14 @@ class WeightCache {
   }
 
   // The release guard (DESIGN.md §5). Returns kReleased or the reason to keep the storage.
-  static const char* release_guard(const at::Tensor& w, bool release, bool release_frozen) {
+  // `trainable`: whether the optimizer steps w (w.requires_grad(), unless the caller says
+  // otherwise: a DTensor's local shard never requires grad itself, its DTensor does).
+  static const char* release_guard(const at::Tensor& w, bool trainable, bool release,
+                                   bool release_frozen) {
     if (!release) return kSkipReleaseFalse;
     if (!c10::GradMode::is_enabled()) return kSkipNoGrad;
     if (!w.is_leaf()) return kSkipNonLeaf;
-    if (!w.requires_grad() && !release_frozen) return kSkipFrozen;
+    if (!trainable && !release_frozen) return kSkipFrozen;
     const int64_t tensor_bytes = w.numel() * static_cast<int64_t>(w.element_size());
     // A view into a larger buffer (Megatron-style flat buffers) must keep the whole buffer.
     if (w.storage_offset() != 0 || static_cast<int64_t>(w.storage().nbytes()) > tensor_bytes ||
@@ -701,14 +704,14 @@ class WeightCache {
     return kReleased;
   }
 
-  static void release_storage_locked(const at::Tensor& w, Entry& e) {
+  static void release_storage_locked(const at::Tensor& w, Entry& e, bool trainable) {
     c10::StorageImpl* s = w.storage().unsafeGetStorageImpl();
     e.storage = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s);
     e.dtype = w.scalar_type();
     e.sizes = w.sizes().vec();
     e.strides = w.strides().vec();
     e.released = true;
-    e.frozen = !w.requires_grad();
+    e.frozen = !trainable;
     s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));  // frees the bytes
     // nbytes keeps the logical size on purpose: with 0, creating any view of the weight (print,
     // F.linear's transpose) fails on a storage-size check before the data pointer is touched,
@@ -807,10 +810,12 @@ class WeightCache {
 std::vector<at::Tensor> quant_and_release(const at::Tensor& w, c10::string_view recipe,
                                           bool release, bool release_frozen,
                                           at::ScalarType elem_dtype, c10::string_view scale_mode,
-                                          c10::string_view name) {
+                                          c10::string_view name,
+                                          std::optional<bool> trainable) {
   return WeightCache::get().quant_and_release(w, std::string(recipe), release, release_frozen,
                                               elem_dtype, std::string(scale_mode),
-                                              std::string(name));
+                                              std::string(name),
+                                              trainable.value_or(w.requires_grad()));
 }
 
 void restore(const at::Tensor& w, c10::string_view fill,

@@ -3,7 +3,7 @@
 Importing zrw loads the C++ extension `zrw._C`, which registers the `torch.ops.zrw.*` ops and
 their CPU kernels; `zrw.ops` wraps them one-to-one, `zrw.reference` is their plain-PyTorch spec.
 """
-import torch
+import torch  # noqa: F401  (libtorch is loaded before the extension that links to it)
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.zrw.*)
@@ -31,7 +31,7 @@ ops.restore_all = cache.restore_all
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .planes import MXWeight  # noqa: E402,F401
 from .cache import no_release  # noqa: E402,F401
-from . import checkpoint, memory, nn, optim  # noqa: E402,F401
+from . import checkpoint, memory, nn, optim, parallel  # noqa: E402,F401
 from .nn import convert  # noqa: E402,F401
 from .backends import backends  # noqa: E402,F401
 

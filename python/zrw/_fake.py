@@ -254,7 +254,7 @@ def _mx_expand_block_scale_fake(block_scale, n, k, dim):
 
 
 @torch.library.register_fake("zrw::quant_and_release")
-def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name):
+def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name, trainable=None):
     nd = w.dim()
     if recipe == "mxfp8":
         return [

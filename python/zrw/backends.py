@@ -19,6 +19,13 @@ import torch
 
 from . import _C
 
+# The native Ascend C kernels (CMake option ZRW_NPU), loaded with zrw when they were built: the
+# target exists only in such a build, so its absence is no error.
+if importlib.util.find_spec("zrw._C_npu") is not None:
+    from . import _C_npu
+else:
+    _C_npu = None
+
 MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_quantize_from_master",
           "mx_quantize_dual_from_master", "mx_quantize_block_from_master", "mx_dequantize",
           "mx_matmul")
@@ -60,10 +67,8 @@ def _torch_npu():
 
 
 def _native_npu():
-    if importlib.util.find_spec("zrw._C_npu") is None:
+    if _C_npu is None:
         return {"built": False, "kernels": []}
-    from . import _C_npu
-
     return {"built": True, "kernels": list(_C_npu.native_kernels())}
 
 

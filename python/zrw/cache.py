@@ -11,6 +11,9 @@ module is everything that changes what a weight holds:
                           keep_released=True: a released weight stays released and its next
                           use quantizes straight from the master (the BF16-free step)
   restore_all(fill)       every released trainable weight
+  restore_value(w)        bring a weight's exact value back (its master, else its FP8 copy)
+  cache_state(w)          a CacheState: NONE, CACHED, RELEASED or RELEASED_FOR_GOOD
+  register_boundary_callback(fn)  run fn(optimizer) at every zrw optimizer boundary
 
 A DTensor weight (tensor / expert parallelism, zrw.parallel) is cached by its local shard: every
 call here given a DTensor (weight, master or source) works on its local tensor.
@@ -24,13 +27,16 @@ unless the caller asked for "empty".
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 import warnings
 import weakref
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 from . import _C
@@ -43,6 +49,33 @@ FILLS = tuple(_C.fill_names())
 RECIPES = tuple(_C.cache_recipes())
 
 _release_state = threading.local()
+
+
+class CacheState(str, enum.Enum):
+    """What the native cache holds for a weight (zrw.cache.cache_state). A str enum: each state
+    compares equal to its name's value ("none", "cached", "released", "released_for_good")."""
+
+    NONE = "none"                            # no entry
+    CACHED = "cached"                        # its FP8 copy is cached, its storage kept
+    RELEASED = "released"                    # cached, storage released until the boundary
+    RELEASED_FOR_GOOD = "released_for_good"  # a frozen weight released with release_frozen
+
+    @property
+    def released(self) -> bool:
+        """Whether the weight's storage is released (RELEASED or RELEASED_FOR_GOOD)."""
+        return self in (CacheState.RELEASED, CacheState.RELEASED_FOR_GOOD)
+
+    @property
+    def cached(self) -> bool:
+        """Whether the weight has an entry (anything but NONE)."""
+        return self is not CacheState.NONE
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The native cache's state codes (csrc/cache/weight_cache.cpp, WeightCache::state), in order.
+_STATES = (CacheState.NONE, CacheState.CACHED, CacheState.RELEASED, CacheState.RELEASED_FOR_GOOD)
 
 
 @contextlib.contextmanager
@@ -107,6 +140,7 @@ def quant_and_release(
     scale_mode: str = "floor",
     name: Optional[str] = None,
     require_owner: bool = False,
+    trainable: Optional[bool] = None,
 ) -> MXWeight:
     """The fused op of zero-redundancy weights: cache lookup; on a miss quantize, insert, release.
 
@@ -125,9 +159,15 @@ def quant_and_release(
     any other is cached but keeps its BF16 storage (readable, and restorable exactly). A weight
     the layers restored for a write (apply, a cast) is held (`_zrw_hold`) until its
     optimizer's next write-back, so that MasterWeights reads what was written.
+    `trainable` (None: `w.requires_grad`) says whether an optimizer steps `w`: a DTensor
+    weight's local shard never requires grad itself (its DTensor does), so zrw.parallel passes
+    the DTensor's flag for it.
     """
     op = "zrw.cache.quant_and_release"
-    trainable = w.requires_grad if isinstance(w, Tensor) else False
+    if trainable is None:
+        trainable = w.requires_grad if isinstance(w, Tensor) else False
+    elif not isinstance(trainable, bool):
+        raise TypeError(f"{op}: trainable must be a bool or None, got {type(trainable).__name__}")
     w = _check_weight(op, w)  # a DTensor: its local shard
     if not isinstance(recipe, str):
         raise TypeError(f"{op}: recipe must be a str, one of {RECIPES}, got "
@@ -155,10 +195,10 @@ def quant_and_release(
         name = weight_name(w)
     elif name and not weight_name(w):
         set_weight_name(w, name)  # messages outside the cache (the optimizer guard) use it too
-    with trainable_as(w, trainable):
-        tensors = torch.ops.zrw.quant_and_release(
-            w, recipe, release, release_frozen, elem_dtype, scale_mode, name
-        )
+    # Under no_grad nothing is released and the guard never asks: the weight's own flag.
+    tensors = torch.ops.zrw.quant_and_release(
+        w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
+        trainable if torch.is_grad_enabled() else w.requires_grad)
     return MXWeight.from_tensors(recipe, tensors)
 
 
@@ -193,7 +233,7 @@ def _sync_before_release(w: Tensor) -> None:
     written = getattr(w, "_zrw_written", None)
     # Every later use in the step is a cache hit: the entry's state, one native lookup, is
     # checked before the master (a Python registry and, for a released weight, a native call).
-    if written is None or torch.ops.zrw.cache_state(w) != 0:
+    if written is None or _STATES[torch.ops.zrw.cache_state(w)] is not CacheState.NONE:
         return
     master = master_of(w)
     if master is None:
@@ -204,23 +244,6 @@ def _sync_before_release(w: Tensor) -> None:
         return  # MasterWeights' step names the change of shape
     with torch.no_grad():
         master.copy_(w.detach())
-
-
-@contextlib.contextmanager
-def trainable_as(w: Tensor, trainable: bool) -> Iterator[None]:
-    """Within this block `w`, a DTensor's local shard (which never requires grad itself: its
-    DTensor does), counts as the trainable leaf it stands for when `trainable`, so that the
-    release guard releases it until the optimizer boundary instead of treating it as frozen.
-    Only under grad mode; a tensor that already requires grad is left as it is."""
-    _check_tensor("zrw.cache.trainable_as", "w", w)
-    flip = trainable and not w.requires_grad and torch.is_grad_enabled()
-    if flip:
-        w.requires_grad_(True)
-    try:
-        yield
-    finally:
-        if flip:
-            w.requires_grad_(False)
 
 
 def set_weight_name(w: Tensor, name: str) -> None:
@@ -380,7 +403,7 @@ def _no_master_error(op: str, w: Tensor) -> ValueError:
 
 
 @torch._dynamo.disable
-def restore(w: Tensor, fill: str = "master") -> None:
+def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) -> None:
     """Bring back one released weight's BF16 storage (original byte count) and drop its entry.
 
     fill: "master" (bf16 of the MasterWeights FP32 master — exactly what the optimizer would
@@ -388,16 +411,41 @@ def restore(w: Tensor, fill: str = "master") -> None:
     "empty" (uninitialized; only when something overwrites it next). Raises (DESIGN.md §8) for a
     weight that is not released, and for one whose data was replaced since its release
     (`w.data = t`); on any error the weight stays released and restorable.
+    `source` (fill "master" only): the values to restore instead of the registered master (a
+    tensor of w's shape, rounded to w's dtype; e.g. a loaded state-dict value).
     """
     op = "zrw.cache.restore"
     w = _check_tensor(op, "w", w)
     _check_fill(op, fill)
-    source = None
-    if fill == "master":
+    if source is not None:
+        source = _check_tensor(op, "source", source)
+        if fill != "master":
+            raise ValueError(f"{op}: source is only read by fill='master', got fill={fill!r}")
+        if source.shape != w.shape:
+            raise ValueError(f"{op}: source must have the weight's shape {tuple(w.shape)}, got "
+                             f"{tuple(source.shape)}")
+    elif fill == "master":
         source = master_of(w)
-        if source is None and torch.ops.zrw.cache_state(w) >= 2:
+        if source is None and _STATES[torch.ops.zrw.cache_state(w)].released:
             raise _no_master_error(op, w)
     torch.ops.zrw.restore(w, fill, source)
+
+
+@torch._dynamo.disable
+def restore_value(w: Tensor) -> Optional[Tensor]:
+    """Bring back `w`'s value so that it can be read or written: a released weight is restored
+    exactly from its FP32 master, or, without one, from its FP8 copy (its only value: a frozen
+    weight released for good, or one whose optimizer restores by dequantization anyway); an
+    unreleased weight's FP8 copy is dropped (it goes stale on a write). Returns w's master (or
+    None), so that the caller can hold w until the master has read a write."""
+    w = _check_tensor("zrw.cache.restore_value", "w", w)
+    state = cache_state(w)
+    master = master_of(w)
+    if state.released:
+        torch.ops.zrw.restore(w, "master" if master is not None else "dequant", master)
+    elif state.cached:
+        torch.ops.zrw.cache_invalidate(w, "dequant")
+    return master
 
 
 @torch._dynamo.disable
@@ -415,7 +463,7 @@ def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
         states = torch.ops.zrw.cache_states(ws)
         for i, (w, st) in enumerate(zip(ws, states)):
             sources[i] = master_of(w)
-            if sources[i] is None and st == 2:
+            if sources[i] is None and _STATES[st] is CacheState.RELEASED:
                 raise _no_master_error(op, w)
     return torch.ops.zrw.restore_weights(ws, fill, sources)
 
@@ -486,29 +534,30 @@ def restore_all(fill: str = "master") -> int:
     return n
 
 
-def cache_state(w: Tensor) -> int:
-    """0: w has no cache entry; 1: its FP8 copy is cached; 2: cached and its storage released
-    until the optimizer boundary; 3: released for good (a frozen weight, release_frozen)."""
+def cache_state(w: Tensor) -> CacheState:
+    """CacheState.NONE: w has no cache entry; CACHED: its FP8 copy is cached; RELEASED: cached
+    and its storage released until the optimizer boundary; RELEASED_FOR_GOOD: a frozen weight
+    released with release_frozen (its FP8 copy is its only value)."""
     w = _check_tensor("zrw.cache.cache_state", "w", w)
-    return torch.ops.zrw.cache_state(w)
+    return _STATES[torch.ops.zrw.cache_state(w)]
 
 
-def cache_states(weights: Iterable[Tensor]) -> List[int]:
+def cache_states(weights: Iterable[Tensor]) -> List[CacheState]:
     """cache_state of each weight, in one call."""
-    return list(torch.ops.zrw.cache_states(_tensor_list("zrw.cache.cache_states", "weights",
-                                                        weights)))
+    return [_STATES[s] for s in torch.ops.zrw.cache_states(
+        _tensor_list("zrw.cache.cache_states", "weights", weights))]
 
 
 def is_released(w: Tensor) -> bool:
     """Whether w's BF16 storage is currently released by zrw."""
     _check_tensor("zrw.cache.is_released", "w", w)
-    return cache_state(w) >= 2
+    return cache_state(w).released
 
 
 def is_cached(w: Tensor) -> bool:
     """Whether the cache holds an FP8 copy of w."""
     _check_tensor("zrw.cache.is_cached", "w", w)
-    return cache_state(w) != 0
+    return cache_state(w).cached
 
 
 def next_step() -> None:
@@ -536,9 +585,9 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
     w = _check_tensor(op, "w", w)
     _check_fill(op, fill)
     if fill == "master":
-        state = torch.ops.zrw.cache_state(w)
-        if state < 2:  # nothing released: nothing to fill
-            return state != 0 and torch.ops.zrw.cache_invalidate(w, "dequant")
+        state = cache_state(w)
+        if not state.released:  # nothing released: nothing to fill
+            return state.cached and torch.ops.zrw.cache_invalidate(w, "dequant")
         restore(w, "master")  # raises the explanatory error if w has no master
         return True
     return torch.ops.zrw.cache_invalidate(w, fill)
@@ -560,7 +609,7 @@ def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
         ws = [_local(p) for p in model_or_weights.parameters()]
     else:
         ws = _tensor_list(op, "model_or_weights", model_or_weights)
-    frozen = [w for w, st in zip(ws, cache_states(ws)) if st == 3]
+    frozen = [w for w, st in zip(ws, cache_states(ws)) if st is CacheState.RELEASED_FOR_GOOD]
     for w in frozen:
         torch.ops.zrw.cache_invalidate(w, "dequant")
     return len(frozen)
@@ -582,3 +631,26 @@ def cache_entries() -> List[Dict[str, object]]:
     cols = torch.ops.zrw.cache_entries()
     keys = ("name", "status", "hits", "misses", "storage_bytes")
     return [dict(zip(keys, row)) for row in zip(*cols)]
+
+
+# ---- the optimizer boundary's callbacks ------------------------------------------------------
+# An OrderedDict, as torch's own hook tables: RemovableHandle keeps a weak reference to it.
+_boundary_callbacks: "OrderedDict[int, Callable[[torch.optim.Optimizer], None]]" = OrderedDict()
+
+
+def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
+    """Call `fn(optimizer)` at every zrw optimizer boundary, before the step (and before any
+    restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
+    `remove()` unregisters it. (Also zrw.optim.register_boundary_callback.)"""
+    if not callable(fn):
+        raise TypeError(f"zrw.optim.register_boundary_callback: fn must be callable, got "
+                        f"{type(fn).__name__}")
+    handle = RemovableHandle(_boundary_callbacks)
+    _boundary_callbacks[handle.id] = fn
+    return handle
+
+
+def run_boundary_callbacks(optimizer: torch.optim.Optimizer) -> None:
+    """Run every registered boundary callback with `optimizer` (zrw.optim's boundary)."""
+    for fn in list(_boundary_callbacks.values()):
+        fn(optimizer)

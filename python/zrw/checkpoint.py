@@ -17,12 +17,10 @@ allocates one weight's BF16 bytes at a time, and nothing is restored or re-quant
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
 import threading
-import warnings
 import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -30,9 +28,19 @@ import torch
 from torch import Tensor
 
 from . import cache
-from . import parallel
+from ._dtensor import is_dtensor, local_tensor
 
-_state = threading.local()
+# zrw.state_dict (one level down, where the layers' state-dict logic lives) holds these; this
+# module is their public home.
+from .state_dict import (  # noqa: F401
+    FROZEN_MODES,
+    deferred,
+    deferring,
+    frozen_mode,
+    frozen_values,
+    materialize,
+    warn_frozen_dequant,
+)
 
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
 # naming each tensor's dtype, shape and byte range, then the bytes).
@@ -44,97 +52,20 @@ _DTYPES = {
 }
 
 
-FROZEN_MODES = ("dequant", "raise")
-_frozen_warned = False
-
-
-def frozen_mode() -> str:
-    """How state_dict() gives a frozen weight released for good (release_frozen=True), whose
-    MXFP8 copy is its only value: "dequant" (the default: its dequantized FP8 values, with a
-    warning once per process) or "raise" (a named error). Set it with `frozen_values`."""
-    return getattr(_state, "frozen", "dequant")
-
-
-@contextlib.contextmanager
-def frozen_values(mode: str) -> Iterator[None]:
-    """Within this block, state_dict() (and every save built on it: torch.save of a state
-    dict, PEFT's save_pretrained, Trainer checkpoints) gives each frozen weight released for
-    good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
-    against the BF16 weight it was made from) or "raise"."""
-    if mode not in FROZEN_MODES:
-        raise ValueError(f"zrw.checkpoint.frozen_values: mode must be one of {FROZEN_MODES}, "
-                         f"got {mode!r}")
-    prev = frozen_mode()
-    _state.frozen = mode
-    try:
-        yield
-    finally:
-        _state.frozen = prev
-
-
-def warn_frozen_dequant(name: str) -> None:
-    """Once per process: a state dict holds the dequantized FP8 value of a frozen weight."""
-    global _frozen_warned
-    if _frozen_warned:
-        return
-    _frozen_warned = True
-    warnings.warn(
-        f"zrw: state_dict() gives frozen weight '{name}' (and every other frozen weight "
-        "released for good with release_frozen=True) as its dequantized MXFP8 copy: its BF16 "
-        "values no longer exist in this process (lossy against the original weights; a LoRA "
-        "adapter's own weights are exact). Keep the original checkpoint for the base model, "
-        "convert with release_frozen=False to save exact base weights, or use "
-        "zrw.checkpoint.frozen_values('raise') to refuse", UserWarning, stacklevel=4)
-
-
-def deferring() -> bool:
-    """True inside `_deferred()`: zrw layers put a released weight itself into the state dict
-    (metadata only, no bytes) instead of materializing it."""
-    return getattr(_state, "defer", 0) > 0
-
-
-@contextlib.contextmanager
-def _deferred() -> Iterator[None]:
-    _state.defer = getattr(_state, "defer", 0) + 1
-    try:
-        yield
-    finally:
-        _state.defer -= 1
-
-
 def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
     """model.state_dict() with each released weight as itself (materialized later)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zrw.checkpoint: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    with _deferred():
+    with deferred():
         return model.state_dict()
-
-
-def materialize(p: Tensor, master: Tensor) -> Tensor:
-    """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its FP32
-    master; a DTensor weight gets a DTensor laid out as it is. `master` is the master of p's
-    local tensor (zrw.cache.master_of), of its shape."""
-    op = "zrw.checkpoint.materialize"
-    if not isinstance(p, Tensor):
-        raise TypeError(f"{op}: p must be a torch.Tensor (the released weight), got "
-                        f"{type(p).__name__}")
-    if not isinstance(master, Tensor):
-        raise TypeError(f"{op}: master must be a torch.Tensor (p's FP32 master, e.g. "
-                        f"zrw.cache.master_of(p)), got {type(master).__name__}")
-    local = parallel.local_tensor(p)
-    if parallel.local_tensor(master).shape != local.shape:
-        raise ValueError(f"{op}: master must have the shape of p's local tensor "
-                         f"{tuple(local.shape)}, got {tuple(master.shape)}")
-    with torch.no_grad():
-        return parallel.wrap_like(p, master.detach().to(p.dtype, copy=True))
 
 
 def _master(name: str, t: Tensor) -> Optional[Tensor]:
     """The FP32 master of state-dict entry `name` if it is a released weight, None if it is
     not released; a released weight without a master raises a named error."""
-    local = parallel.local_tensor(t)
-    if cache.cache_state(local) < 2:
+    local = local_tensor(t)
+    if not cache.cache_state(local).released:
         return None
     master = cache.master_of(local)
     if master is None:
@@ -221,7 +152,7 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
         if not isinstance(t, Tensor):
             raise TypeError(f"zrw.checkpoint.save_safetensors: state-dict entry '{name}' must "
                             f"be a tensor, got {type(t).__name__}")
-        if parallel.is_dtensor(t):
+        if is_dtensor(t):
             raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' is a DTensor (a "
                             "sharded model); save it with torch.distributed.checkpoint")
         if t.dtype not in _DTYPES:

@@ -157,6 +157,12 @@ class QuantRecipe:
         granularity = self.weight_granularity
         return granularity.is_mx and granularity.block_size == MX_BLOCK_32x32
 
+    @property
+    def cache_layout(self) -> str:
+        """The native cache's weight layout for this recipe (zrw.cache.RECIPES, MXWeight.recipe):
+        "mxfp8-32x32" (one copy in 32x32 tiles) or "mxfp8" (two 1x32 planes)."""
+        return "mxfp8-32x32" if self.block_32x32 else "mxfp8"
+
 
 # name -> zero-argument factory. Factories rather than instances: ScalingGranularity is mutable, so
 # every get_recipe call hands out a fresh recipe that no caller can corrupt for the next one.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -238,8 +237,8 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
         "loss_diff_to_bf16": {m: final[m] - final["bf16"] for m in MODES},
         "loss_diff_release_on_off": max_diff,
         "losses_bitwise_equal_release_on_off": same,
-        "weights_equal_release_on_off": all(cache.final_weights_digest == runs[m].final_weights_digest
-                                            for m in released_modes),
+        "weights_equal_release_on_off": all(
+            cache.final_weights_digest == runs[m].final_weights_digest for m in released_modes),
         "window_peak_bytes": {m: r.window_peak for m, r in runs.items()},
         "optimizer_peak_bytes": {m: r.optimizer_peak for m, r in runs.items()},
         "global_peak": global_peak,

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from . import cache, ops, optim, planes
+from . import cache, ops, planes
+from ._dtensor import is_dtensor
 from .config import QuantRecipe, get_recipe
 
 __all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "clear_shard_cache", "stats"]
@@ -59,12 +60,7 @@ def clear_shard_cache() -> None:
         w._zrw_planes = None
 
 
-_boundary_handle = optim.register_boundary_callback(lambda opt: clear_shard_cache())
-
-
-def _layout(recipe: QuantRecipe) -> str:
-    """The weight layout a recipe quantizes to (MXWeight.recipe): one 32x32 copy or two planes."""
-    return "mxfp8-32x32" if recipe.block_32x32 else "mxfp8"
+_boundary_handle = cache.register_boundary_callback(lambda opt: clear_shard_cache())
 
 
 def stats() -> Dict[str, int]:
@@ -103,7 +99,7 @@ class PreQuantWeight(torch.Tensor):
         self._zrw_recipe = recipe
         self._zrw_name = name
         self._zrw_both_planes = both_planes
-        self._zrw_planes: Optional[Tuple[int, str, List[Tensor]]] = None
+        self._zrw_planes: Optional[Tuple[int, str, planes.MXWeight]] = None
         self._zrw_warned = False
         _live.add(self)
 
@@ -154,8 +150,10 @@ class PreQuantWeight(torch.Tensor):
 
     # ---- the FSDP2 all-gather extension ------------------------------------------------------
 
-    def _quantized_shard(self, param_dtype: torch.dtype) -> List[Tensor]:
-        """The shard's MX planes, quantized once per optimizer step (zrw's step counter)."""
+    def _quantized_shard(self, param_dtype: torch.dtype) -> planes.MXWeight:
+        """The shard's MX planes, quantized once per optimizer step (zrw's step counter). For
+        "mxfp8-32x32" the compact block scale (block_scale) travels, the expanded scales are
+        None."""
         step = cache.cache_stats()["step"]
         cached = self._zrw_planes
         if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
@@ -163,13 +161,16 @@ class PreQuantWeight(torch.Tensor):
         rcp = self._zrw_recipe
         shard = self._tensor.detach().to(param_dtype)
         if rcp.block_32x32:
-            planes = list(ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode))
+            data, block = ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode)
+            q = planes.MXWeight(rcp.cache_layout, planes.MXPlane(data, None),
+                                planes.MXPlane(data, None), block)
         else:
-            planes = list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode))
+            q = planes.MXWeight.from_tensors(
+                rcp.cache_layout, list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode)))
         with _lock:
             _stats["shard_quantizations"] += 1
-        self._zrw_planes = (step, str(param_dtype), planes)
-        return planes
+        self._zrw_planes = (step, str(param_dtype), q)
+        return q
 
     def _whole_blocks(self, outer_size: torch.Size, world: int) -> bool:
         """Whether every rank's shard holds whole 32-row blocks (3-D stacks shard whole
@@ -196,25 +197,24 @@ class PreQuantWeight(torch.Tensor):
                 pad = shard.new_zeros((padded_rows - shard.shape[0], *shard.shape[1:]))
                 shard = torch.cat([shard, pad])
             return (shard,), ("fallback", tuple(outer_size))
-        planes = self._quantized_shard(param_dtype)
+        q = self._quantized_shard(param_dtype)
         if self._zrw_recipe.block_32x32:
-            data, block = planes
-            inputs, phase = (data, block), "block"
+            inputs, phase = (q.fwd.data, q.block_scale), "block"
         elif self._zrw_both_planes:
-            inputs, phase = tuple(planes), "both"
+            inputs, phase = (*q.fwd, *q.bwd), "both"
         else:
             # The backward re-gather runs inside the autograd engine: dgrad needs the N plane.
             bwd = torch._C._current_autograd_node() is not None
-            data, scale = (planes[2], planes[3]) if bwd else (planes[0], planes[1])
+            data, scale = q.bwd if bwd else q.fwd
             # FSDP2 sizes its all-gather buffers at the first gather, so every gather must send
             # the same numels: the two scale planes differ when K is not a multiple of 32, and
             # the smaller one travels zero-padded to the larger one's size.
-            width = max(planes[1].numel(), planes[3].numel())
+            width = max(q.fwd.scale.numel(), q.bwd.scale.numel())
             flat = scale.reshape(-1).view(torch.uint8)
             if flat.numel() < width:
                 flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
             meta = ("bwd" if bwd else "fwd", tuple(outer_size), tuple(scale.shape), world,
-                    planes[1].numel() != planes[3].numel())
+                    q.fwd.scale.numel() != q.bwd.scale.numel())
             return (data.view(torch.uint8), flat), meta
         return tuple(t.view(torch.uint8) for t in inputs), (phase, tuple(outer_size))
 
@@ -229,19 +229,19 @@ class PreQuantWeight(torch.Tensor):
             full = full[: outer_size[0]]
             if rcp.block_32x32:
                 data, block = ops.mx_quantize_block(full, elem, rcp.scale_mode)
-                planes = _block_planes(data, block, outer_size)
+                w = _block_planes(rcp, data, block, outer_size)
             else:
-                planes = dict(zip(("fwd_data", "fwd_scale", "bwd_data", "bwd_scale"),
-                                  ops.mx_quantize_dual(full, elem, rcp.scale_mode)))
-            inner = [t for t in planes.values() if t is not None]
+                w = planes.MXWeight.from_tensors(
+                    rcp.cache_layout, list(ops.mx_quantize_dual(full, elem, rcp.scale_mode)))
+            inner = list(w.tensors())
         elif phase == "block":
             data, block = all_gather_outputs
-            planes = _block_planes(data.view(elem), block.view(e8), outer_size)
-            inner = [planes["fwd_scale"], planes["bwd_scale"]]
+            w = _block_planes(rcp, data.view(elem), block.view(e8), outer_size)
+            inner = [w.fwd.scale, w.bwd.scale]
         elif phase == "both":
-            views = [t.view(elem) if i % 2 == 0 else t.view(e8)
-                     for i, t in enumerate(all_gather_outputs)]
-            planes = dict(zip(("fwd_data", "fwd_scale", "bwd_data", "bwd_scale"), views))
+            df, sf, db, sb = all_gather_outputs
+            w = planes.MXWeight(rcp.cache_layout, planes.MXPlane(df.view(elem), sf.view(e8)),
+                                planes.MXPlane(db.view(elem), sb.view(e8)))
         else:
             data, flat = all_gather_outputs
             local_shape, world = metadata[2], metadata[3]
@@ -267,39 +267,52 @@ class PreQuantWeight(torch.Tensor):
                 compact.copy_(per_rank[:, :n])
                 per_rank = compact
             scale = per_rank.view(e8).reshape(world * local_shape[0], *local_shape[1:])
-            planes = {"fwd_data": None, "fwd_scale": None, "bwd_data": None, "bwd_scale": None}
-            planes[f"{phase}_data"] = data.view(elem)
-            planes[f"{phase}_scale"] = scale
+            gathered, missing = planes.MXPlane(data.view(elem), scale), planes.MXPlane(None, None)
+            fwd, bwd = (gathered, missing) if phase == "fwd" else (missing, gathered)
+            w = planes.MXWeight(rcp.cache_layout, fwd, bwd)
         if out is not None:
             prev = out._zrw_state["planes"]
-            if phase == "fallback":
-                # The planes quantized after a BF16 gather are the inner tensors FSDP2 got the
-                # first time: it re-allocated them and frees them at reshard. Refill in place,
-                # or fresh copies would outlive every reshard.
-                for key, plane in planes.items():
-                    if plane is not None and prev.get(key) is not None:
-                        prev[key].copy_(plane)
-                        planes[key] = prev[key]
-            elif phase == "block" and prev.get("fwd_scale") is not None:
-                # FSDP2 re-allocated the storage of the inner tensors we returned the first time
-                # (the expanded scales) and frees it again at reshard: refill them in place.
-                prev["fwd_scale"].copy_(planes["fwd_scale"])
-                prev["bwd_scale"].copy_(planes["bwd_scale"])
-                planes["fwd_scale"], planes["bwd_scale"] = prev["fwd_scale"], prev["bwd_scale"]
-            out._set_planes(planes, phase)
+            if prev is not None and phase in ("fallback", "block"):
+                # fallback: the planes quantized after a BF16 gather are the inner tensors FSDP2
+                # got the first time: it re-allocated them and frees them at reshard. Refill in
+                # place, or fresh copies would outlive every reshard. block: the same for the
+                # expanded scales (the data is a view of the all-gather output).
+                w = _refill(prev, w, data=phase == "fallback")
+            out._set_planes(w, phase)
             return None
         g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._zrw_recipe,
                              self._zrw_name)
-        g._set_planes(planes, phase)
+        g._set_planes(w, phase)
         if phase in ("fwd", "bwd"):
             g._zrw_state["scale_buf"] = inner[0] if inner else None
         return g, tuple(inner)
 
 
-def _block_planes(data: Tensor, block: Tensor, outer_size) -> Dict[str, Tensor]:
-    return {"fwd_data": data, "bwd_data": data,
-            "fwd_scale": ops.expand_block_scale(block, outer_size, -1).contiguous(),
-            "bwd_scale": ops.expand_block_scale(block, outer_size, -2).contiguous()}
+def _block_planes(recipe: QuantRecipe, data: Tensor, block: Tensor,
+                  outer_size) -> planes.MXWeight:
+    """A 32x32 weight's planes: one data tensor, the block scale expanded along K and along N."""
+    return planes.MXWeight(
+        recipe.cache_layout,
+        planes.MXPlane(data, ops.expand_block_scale(block, outer_size, -1).contiguous()),
+        planes.MXPlane(data, ops.expand_block_scale(block, outer_size, -2).contiguous()))
+
+
+def _refill(prev: planes.MXWeight, new: planes.MXWeight, data: bool) -> planes.MXWeight:
+    """`new` with each scale (and, with `data`, each data tensor) copied into `prev`'s tensor
+    where both exist: FSDP2 re-allocated the storage of the inner tensors returned at the first
+    gather and frees it again at reshard, so later gathers must fill those, not fresh copies."""
+
+    def into(old: Optional[Tensor], t: Optional[Tensor]) -> Optional[Tensor]:
+        if t is None or old is None:
+            return t
+        old.copy_(t)
+        return old
+
+    def plane(old: planes.MXPlane, p: planes.MXPlane) -> planes.MXPlane:
+        return planes.MXPlane(into(old.data, p.data) if data else p.data, into(old.scale, p.scale))
+
+    return planes.MXWeight(new.recipe, plane(prev.fwd, new.fwd), plane(prev.bwd, new.bwd),
+                           new.block_scale)
 
 
 class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
@@ -320,10 +333,13 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
         self._zrw_name = name
         # Shared by every alias (FSDP2 wraps the object in an nn.Parameter, a detached alias, and
         # later gathers update it through `out=`): one mutable state, updated in place.
-        self._zrw_state: Dict[str, object] = {"planes": {}, "phase": None}
+        # "planes": the gathered MXWeight (None before the first gather; a plane not gathered is
+        # MXPlane(None, None)), "phase": what the last gather sent, "scale_buf": the compacted
+        # scale's buffer of a one-plane gather.
+        self._zrw_state: Dict[str, object] = {"planes": None, "phase": None}
 
-    def _set_planes(self, planes: Dict[str, Optional[Tensor]], phase: str) -> None:
-        self._zrw_state["planes"] = dict(planes)
+    def _set_planes(self, weight: planes.MXWeight, phase: str) -> None:
+        self._zrw_state["planes"] = weight
         self._zrw_state["phase"] = phase
 
     def __repr__(self) -> str:
@@ -336,16 +352,15 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     def mx_weight(self, need: str) -> planes.MXWeight:
         """The planes as an MXWeight; `need` is "fwd" or "bwd", the plane the caller reads."""
-        p = self._zrw_state["planes"]
-        if p.get(f"{need}_data") is None:
+        w = self._zrw_state["planes"]
+        plane = None if w is None else {"fwd": w.fwd, "bwd": w.bwd}.get(need)
+        if plane is None or plane.data is None:
             raise RuntimeError(
                 f"zrw.fsdp: weight '{self._zrw_name}' was all-gathered with only its "
                 f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
                 "zrw.fsdp.prepare(model, both_planes=True)")
-        return planes.MXWeight(_layout(self._zrw_recipe),
-                               planes.MXPlane(p["fwd_data"], p["fwd_scale"]),
-                               planes.MXPlane(p["bwd_data"], p["bwd_scale"]))
+        return w
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -386,7 +401,7 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
             p = getattr(mod, pname)
             if isinstance(p, PreQuantWeight):
                 continue
-            if type(p.data).__name__ == "DTensor":
+            if is_dtensor(p.data):
                 raise RuntimeError(
                     f"zrw.fsdp.prepare: parameter '{mname}.{pname}' is already sharded (a "
                     "DTensor): call prepare(model) after zrw.convert and before fully_shard — "

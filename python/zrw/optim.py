@@ -21,37 +21,24 @@ zrw boundary raises before it touches its state.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from . import cache
-from .parallel import local_tensor, local_tensors
+from ._dtensor import local_tensor
 
 _HOOKS_ATTR = "_zrw_boundary_hooks"
 
-# An OrderedDict, as torch's own hook tables: RemovableHandle keeps a weak reference to it.
-_boundary_callbacks: "OrderedDict[int, Callable[[torch.optim.Optimizer], None]]" = OrderedDict()
+# The boundary's callbacks live in zrw.cache (zrw.fsdp registers there without importing this
+# module); this is the public name.
+register_boundary_callback = cache.register_boundary_callback
 
 
-def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
-    """Call `fn(optimizer)` at every zrw optimizer boundary, before the step (and before any
-    restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
-    `remove()` unregisters it."""
-    if not callable(fn):
-        raise TypeError(f"zrw.optim.register_boundary_callback: fn must be callable, got "
-                        f"{type(fn).__name__}")
-    handle = RemovableHandle(_boundary_callbacks)
-    _boundary_callbacks[handle.id] = fn
-    return handle
-
-
-def _run_boundary_callbacks(optimizer: torch.optim.Optimizer) -> None:
-    for fn in list(_boundary_callbacks.values()):
-        fn(optimizer)
+def _locals(ts) -> List[torch.Tensor]:
+    """Each tensor's local shard (zrw._dtensor.local_tensor): what the cache works on."""
+    return [local_tensor(t) for t in ts]
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -292,7 +279,7 @@ class MasterWeights(torch.optim.Optimizer):
         n = 0
         with torch.no_grad():
             for (p, m), st, before in zip(pairs, states, written):
-                if st >= 2:
+                if st.released:
                     continue  # released: unwritable (the layers update its master on a load,
                     # an apply or a cast, when they restore it)
                 sig = cache.weight_signature(p)
@@ -358,13 +345,13 @@ class MasterWeights(torch.optim.Optimizer):
         released parameters keep theirs until the write-back restores them."""
         # A DTensor parameter (tensor / expert parallelism): its local shard, and the local
         # shard of its DTensor master.
-        params = local_tensors(p for g in self.param_groups for p in g["params"])
-        masters = local_tensors(m for ms in self.masters for m in ms)
+        params = [local_tensor(p) for g in self.param_groups for p in g["params"]]
+        masters = [local_tensor(m) for ms in self.masters for m in ms]
         released_p, released_m = [], []
         for p, m, state in zip(params, masters, cache.cache_states(params)):
-            if state == 1:
+            if state is cache.CacheState.CACHED:
                 cache.cache_invalidate(p)
-            elif state == 2 and self.keep_released:
+            elif state is cache.CacheState.RELEASED and self.keep_released:
                 released_p.append(p)
                 released_m.append(m)
         if released_p:
@@ -378,11 +365,12 @@ class MasterWeights(torch.optim.Optimizer):
         # A DTensor parameter (tensor / expert parallelism): its local shard gets the local
         # shard of its DTensor master.
         try:
-            cache.assign_weights(local_tensors(params), local_tensors(masters),
+            cache.assign_weights([local_tensor(p) for p in params],
+                                 [local_tensor(m) for m in masters],
                                  keep_released=self.keep_released)
         finally:
             self._record_written()
-            for p in local_tensors(params):
+            for p in [local_tensor(p) for p in params]:
                 if getattr(p, "_zrw_hold", False):
                     p._zrw_hold = False  # its write was read: it may be released again
 
@@ -470,7 +458,8 @@ class MasterWeights(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or not {"inner", "masters"} <= set(state_dict):
             raise ValueError(f"{op}: expected a dict with 'inner' and 'masters' (from "
                              f"MasterWeights.state_dict), got "
-                             f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+                             + (f"{sorted(state_dict)}" if isinstance(state_dict, dict)
+                                else type(state_dict).__name__))
         saved, inner_sd = state_dict["masters"], state_dict["inner"]
         ours = [len(ms) for ms in self.masters]
         if [len(ms) for ms in saved] != ours:
@@ -595,10 +584,10 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
         raise RuntimeError("zrw.optim.attach: this optimizer already has the zrw boundary")
 
     def pre_hook(opt, args, kwargs):
-        cache.register_owner(local_tensors(_params_of(opt)), opt)  # add_param_group
-        _run_boundary_callbacks(opt)
+        cache.register_owner(_locals(_params_of(opt)), opt)  # add_param_group
+        cache.run_boundary_callbacks(opt)
         if not masters:
-            cache.restore_weights(local_tensors(_params_of(opt)), fill)
+            cache.restore_weights(_locals(_params_of(opt)), fill)
         return _wrap_closure(args, kwargs)
 
     def post_hook(opt, args, kwargs):
@@ -607,7 +596,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     handles = (optimizer.register_step_pre_hook(pre_hook),
                optimizer.register_step_post_hook(post_hook))
     setattr(optimizer, _HOOKS_ATTR, handles)
-    cache.register_owner(local_tensors(_params_of(optimizer)), optimizer)
+    cache.register_owner(_locals(_params_of(optimizer)), optimizer)
     return optimizer
 
 
@@ -622,9 +611,9 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     handles = getattr(optimizer, _HOOKS_ATTR, None)
     if handles is None:
         return
-    params = local_tensors(_params_of(optimizer))
+    params = _locals(_params_of(optimizer))
     mastered = [p for p, st in zip(params, cache.cache_states(params))
-                if st == 2 and cache.master_of(p) is not None]
+                if st is cache.CacheState.RELEASED and cache.master_of(p) is not None]
     if mastered:
         cache.restore_weights(mastered, "master")
     for h in handles:
@@ -656,8 +645,8 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     params = [p for p in _params_of(optimizer) if p.grad is not None]
     if not params:
         return
-    states = cache.cache_states(local_tensors(params))
-    released = [local_tensor(p) for p, st in zip(params, states) if st >= 2]
+    states = cache.cache_states(_locals(params))
+    released = [local_tensor(p) for p, st in zip(params, states) if st.released]
     if released:
         names = ", ".join(repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>")
                           for p in released[:8])

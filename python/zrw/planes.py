@@ -1,25 +1,31 @@
-"""Low-level types for a weight held as MX planes (no imports from the rest of zrw).
+"""Low-level types for a weight held as MX planes, and the zrw layer protocol (no imports from
+the rest of zrw).
 
 `MXPlane` is one GEMM direction's operand, `MXWeight` a weight's cached MXFP8 copy (both
 directions). `MXPlanesCarrier` marks a tensor that carries its weight as MX planes instead of
 data (FSDP2's gathered weight, zrw.fsdp.MXGatheredWeight): the layers ask it for its planes
 through `mx_weight(need)` and never look at its data. zrw.nn and zrw.fsdp both import this
 module; neither imports the other.
+
+A zrw layer is any module that declares what it quantizes (`zrw_quantized`, the names of its
+parameters) and how (`recipe`): `is_zrw_layer`. zrw.fsdp, zrw.parallel and zrw.convert read
+that protocol, never a layer class.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from torch import Tensor
 
 
 @dataclass(frozen=True)
 class MXPlane:
-    """One GEMM direction's operand: fp8 data and its e8m0 scale (blocks of 32 along one axis)."""
+    """One GEMM direction's operand: fp8 data and its e8m0 scale (blocks of 32 along one axis).
+    A field is None where it is not held (a plane not gathered, a 32x32 scale not expanded)."""
 
-    data: Tensor
-    scale: Tensor
+    data: Optional[Tensor]
+    scale: Optional[Tensor]
 
     def __iter__(self):
         return iter((self.data, self.scale))
@@ -50,6 +56,13 @@ class MXWeight:
         data, sf, data_b, sb, block = tensors
         return MXWeight(recipe, MXPlane(data, sf), MXPlane(data_b, sb), block)
 
+    def tensors(self) -> Iterator[Tensor]:
+        """The tensors held: fwd.data, fwd.scale, bwd.data, bwd.scale, block_scale, those that
+        are None skipped (a tensor both planes share comes twice)."""
+        for t in (*self.fwd, *self.bwd, self.block_scale):
+            if t is not None:
+                yield t
+
 
 class MXPlanesCarrier:
     """Mixin of a tensor that holds a weight as MX planes instead of data.
@@ -61,3 +74,8 @@ class MXPlanesCarrier:
 
     def mx_weight(self, need: str) -> MXWeight:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def is_zrw_layer(module) -> bool:
+    """A module that declares what it quantizes (`zrw_quantized`) and how (`recipe`)."""
+    return bool(getattr(module, "zrw_quantized", None)) and hasattr(module, "recipe")

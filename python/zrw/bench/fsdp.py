@@ -22,6 +22,11 @@ import time
 
 import torch
 
+import zrw
+import zrw.fsdp
+import zrw.testing
+from zrw.bench._timing import print_table
+
 RECIPES = ("bf16", "mxfp8", "mxfp8-32x32")
 
 
@@ -71,11 +76,7 @@ def _train(recipe: str, cfg: dict, mesh) -> dict:
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import zrw
-    import zrw.fsdp
-    import zrw.testing
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     d, layers, tokens = cfg["dim"], cfg["layers"], cfg["tokens"]
     mods = []
@@ -162,8 +163,6 @@ def run(dim: int = 1024, layers: int = 4, tokens: int = 64, micro_batches: int =
 
 
 def main(argv=None) -> None:
-    from zrw.bench._timing import print_table
-
     p = argparse.ArgumentParser(prog="python -m zrw.bench fsdp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=1024, help="every layer is dim x dim")
@@ -178,8 +177,6 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(r))
         return
-    import zrw
-
     print(f"zrw {zrw.__version__}: FSDP2 all-gather on {r['world']} ranks ({r['backend']}, CPU), "
           f"{r['layers']} x MXLinear {args.dim}x{args.dim}, {r['micro_batches']} micro-batches "
           f"of {r['tokens_per_rank']} tokens per rank, {r['steps']} steps")

@@ -28,6 +28,9 @@ import sys
 import tempfile
 from statistics import median
 
+import zrw
+from zrw import memory
+
 MODES = ("bf16", "off", "on")
 
 
@@ -40,12 +43,14 @@ def _child(job: str, mode: str, hidden: int, layers: int, steps: int, recipe: st
     warnings.filterwarnings("ignore")
     import torch
 
-    import zrw
-    from zrw import memory
-
     memory.install()
-    from transformers import (Qwen3Config, Qwen3ForCausalLM, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden,

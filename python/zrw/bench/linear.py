@@ -27,8 +27,9 @@ Then, as whole training steps against BF16 (same data, same optimizer):
 
 The CPU has no MX GEMM: the MX step here measures the emulation and the overheads around it,
 not what hardware MX would give. mx_matmul's inner GEMM is reported (zrw.backends()["cpu"]
-["gemm"]): BF16 where the CPU has native BF16 dot products, else FP32. Timings are the best of --repeat runs (noise is upward);
-a call of seconds (BF16 GEMMs on a CPU without native BF16) is timed once.
+["gemm"]): BF16 where the CPU has native BF16 dot products, else FP32. Timings are the best
+of --repeat runs (noise is upward); a call of seconds (BF16 GEMMs on a CPU without native
+BF16) is timed once.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ import time
 import torch
 
 import zrw
-from zrw import ops
-from zrw import cache, testing
+from zrw import cache, ops, testing
 from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording
+from zrw.demo import DemoConfig, build_model, make_batches
 from zrw.nn import MXLinear
 from zrw.nn.linear import cache_recipe
+from zrw.optim import MasterWeights, attach
 
 RECIPES = ("mxfp8", "mxfp8-32x32")
 
@@ -81,7 +83,8 @@ _MODULE_OF = {"quant_and_release": cache, "mx_quantize_dual": ops, "mx_matmul": 
 
 def _instrumented(fn, repeat: int, before=None) -> dict:
     """Times fn (a training step) and, inside that very step, the time spent in the ops it
-    calls through zrw.ops and zrw.cache (the layers look them up there at call time). The parts of the run
+    calls through zrw.ops and zrw.cache (the layers look them up there at call time). The parts
+    of the run
     with the best total are returned, with other = total - parts."""
     best = None
     for i in range(repeat + 1):  # the first run is the warm-up
@@ -151,7 +154,7 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
         cycles = best_of_interleaved({"release": release_cycle, "keep": keep_cycle}, repeat)
         t_rel, t_keep = cycles["release"], cycles["keep"]
         cache.cache_invalidate(w)
-        del w
+        w = None  # frees it before the next recipe (the closures above read it)
 
         # a later microbatch: the released weight's FP8 copy is a cache hit
         layer = MXLinear(k, n, bias=True, recipe=recipe, release=True, dtype=torch.bfloat16)
@@ -216,9 +219,6 @@ def run_model(hidden: int, steps: int = 3) -> dict:
     """The demo's dense model at `hidden`: a whole training step (4 sequences of 64 tokens,
     forward, backward, MasterWeights(AdamW) step) in BF16 and with zrw mxfp8, best of `steps`
     after one warm-up step."""
-    from zrw.demo import DemoConfig, build_model, make_batches
-    from zrw.optim import MasterWeights, attach
-
     c = DemoConfig(model="dense", hidden=hidden, progress=False)
     ids = make_batches(c, 1)[0]
     out = {"hidden": hidden, "layers": c.layers, "tokens": c.batch * c.seq, "ms": {}}
@@ -235,7 +235,7 @@ def run_model(hidden: int, steps: int = 3) -> dict:
 
         out["ms"][f"{mode}_step"] = _time(step, steps) * 1e3
         cache.cache_clear("dequant")
-        del model, opt
+        model = opt = None  # frees them before the next mode (step() reads them)
     out["mxfp8_over_bf16"] = out["ms"]["mxfp8_step"] / out["ms"]["bf16_step"]
     return out
 

@@ -43,10 +43,15 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+
+import zrw
+from zrw import cache, memory
+from zrw.bench._timing import print_table
+from zrw.optim import MasterWeights, attach
 
 MIB = 2 ** 20
 
@@ -116,10 +121,6 @@ class ModeResult:
 
 def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (ModeResult, dict):
     import torch.distributed as dist
-
-    import zrw
-    from zrw import cache, memory
-    from zrw.optim import MasterWeights, attach
 
     model = build(run["kind"], s, layers)
     summary = zrw.convert(model, "mxfp8", release=(mode == "after"), main_grad=True)
@@ -193,9 +194,6 @@ def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out
         dist.init_process_group("gloo", rank=rank, world_size=world)
     import transformers
 
-    import zrw
-    from zrw import memory
-
     transformers.logging.set_verbosity_error()
     memory.install()  # before any model exists: every allocation and free is counted
     results, info = {}, None
@@ -215,7 +213,6 @@ def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
-    del zrw
 
 
 def _free_port() -> int:
@@ -351,8 +348,6 @@ def _mib(b: float) -> str:
 
 
 def print_config(r: dict) -> None:
-    from zrw.bench._timing import print_table
-
     s = r["shapes"]
     print(f"\n{r['config']}  {r['title']}")
     shape = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -444,8 +439,6 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps({"configs": results}))
         return
-    import zrw
-
     print(f"zrw {zrw.__version__}: the seed's zero-redundancy memory table, per rank "
           f"(CPU, gloo ranks, zrw.memory's counting allocator; kernel ISA {zrw._C.cpu_isa()})")
     for r in results:

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from .. import cache
-from .. import parallel
+from .._dtensor import local_tensor
 from ..config import QuantRecipe, get_recipe, known_recipes
+from ..planes import is_zrw_layer  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
 
@@ -49,14 +50,9 @@ def _tied_weights(model: nn.Module) -> Dict[int, List[str]]:
 
 
 def _releasable(p: torch.Tensor) -> bool:
-    local = parallel.local_tensor(p)  # a sharded weight releases its local shard
+    local = local_tensor(p)  # a sharded weight releases its local shard
     return (p.requires_grad and local.storage_offset() == 0
             and local.untyped_storage().nbytes() == local.numel() * local.element_size())
-
-
-def is_zrw_layer(module: nn.Module) -> bool:
-    """A module that declares what it quantizes (`zrw_quantized`) and how (`recipe`)."""
-    return bool(getattr(module, "zrw_quantized", None)) and hasattr(module, "recipe")
 
 
 def _check_not_engine_wrapped(name: str, module: nn.Module) -> None:
@@ -177,7 +173,7 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
             summary.converted.append(name)
             for pname, w in weights:
                 summary.parameters += 1
-                local = parallel.local_tensor(w)
+                local = local_tensor(w)
                 if layer_release and (_releasable(w) or (release_frozen and not w.requires_grad
                                                          and local.storage_offset() == 0)):
                     summary.release_bytes += local.numel() * local.element_size()
@@ -251,14 +247,13 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
     tied = []
     for key, p in quantized.items():
         names = sorted(set(owners[key]))
-        local = parallel.local_tensor(p)
+        local = local_tensor(p)
         if len(names) > 1:
             tied.append(names[0])
             if getattr(local, "_zrw_tied", None) != names:
                 local._zrw_tied = names
-            if cache.cache_state(local) >= 2:
-                cache.restore(local, "master" if cache.master_of(local) is not None
-                              else "dequant")
+            if cache.cache_state(local).released:
+                cache.restore_value(local)
         elif getattr(local, "_zrw_tied", None):
             local._zrw_tied = None
     return tied

@@ -1,0 +1,395 @@
+"""State dicts, pickling, loads and casts of layers whose weights may be released (one level
+below the layers: zrw.nn's layers mix `ReleasedWeightsStateDict` and `NamedWeight` in;
+zrw.checkpoint builds its one-tensor-at-a-time saves on `materialize` and `deferring`).
+
+  materialize(p, master)   one released weight's exact value (bf16 of its master), a fresh tensor
+  frozen_values(mode)      how state_dict() gives a frozen weight released for good
+  ReleasedWeightsStateDict the state_dict / load_state_dict / apply / _apply / pickling of a zrw
+                           layer (see its docstring)
+  NamedWeight              the layer's `zrw_name`, kept on its weight for zrw's messages
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from . import cache, ops
+from ._dtensor import is_dtensor, local_tensor, wrap_like
+
+_state = threading.local()
+
+FROZEN_MODES = ("dequant", "raise")
+_frozen_warned = False
+
+
+def frozen_mode() -> str:
+    """How state_dict() gives a frozen weight released for good (release_frozen=True), whose
+    MXFP8 copy is its only value: "dequant" (the default: its dequantized FP8 values, with a
+    warning once per process) or "raise" (a named error). Set it with `frozen_values`."""
+    return getattr(_state, "frozen", "dequant")
+
+
+@contextlib.contextmanager
+def frozen_values(mode: str) -> Iterator[None]:
+    """Within this block, state_dict() (and every save built on it: torch.save of a state
+    dict, PEFT's save_pretrained, Trainer checkpoints) gives each frozen weight released for
+    good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
+    against the BF16 weight it was made from) or "raise"."""
+    if mode not in FROZEN_MODES:
+        raise ValueError(f"zrw.checkpoint.frozen_values: mode must be one of {FROZEN_MODES}, "
+                         f"got {mode!r}")
+    prev = frozen_mode()
+    _state.frozen = mode
+    try:
+        yield
+    finally:
+        _state.frozen = prev
+
+
+def warn_frozen_dequant(name: str) -> None:
+    """Once per process: a state dict holds the dequantized FP8 value of a frozen weight."""
+    global _frozen_warned
+    if _frozen_warned:
+        return
+    _frozen_warned = True
+    warnings.warn(
+        f"zrw: state_dict() gives frozen weight '{name}' (and every other frozen weight "
+        "released for good with release_frozen=True) as its dequantized MXFP8 copy: its BF16 "
+        "values no longer exist in this process (lossy against the original weights; a LoRA "
+        "adapter's own weights are exact). Keep the original checkpoint for the base model, "
+        "convert with release_frozen=False to save exact base weights, or use "
+        "zrw.checkpoint.frozen_values('raise') to refuse", UserWarning, stacklevel=4)
+
+
+def deferring() -> bool:
+    """True inside `deferred()`: zrw layers put a released weight itself into the state dict
+    (metadata only, no bytes) instead of materializing it (zrw.checkpoint's saves)."""
+    return getattr(_state, "defer", 0) > 0
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within this block state_dict() defers released weights (see `deferring`)."""
+    _state.defer = getattr(_state, "defer", 0) + 1
+    try:
+        yield
+    finally:
+        _state.defer -= 1
+
+
+def materialize(p: Tensor, master: Tensor) -> Tensor:
+    """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its FP32
+    master; a DTensor weight gets a DTensor laid out as it is. `master` is the master of p's
+    local tensor (zrw.cache.master_of), of its shape."""
+    op = "zrw.checkpoint.materialize"
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{op}: p must be a torch.Tensor (the released weight), got "
+                        f"{type(p).__name__}")
+    if not isinstance(master, Tensor):
+        raise TypeError(f"{op}: master must be a torch.Tensor (p's FP32 master, e.g. "
+                        f"zrw.cache.master_of(p)), got {type(master).__name__}")
+    local = local_tensor(p)
+    if local_tensor(master).shape != local.shape:
+        raise ValueError(f"{op}: master must have the shape of p's local tensor "
+                         f"{tuple(local.shape)}, got {tuple(master.shape)}")
+    with torch.no_grad():
+        return wrap_like(p, master.detach().to(p.dtype, copy=True))
+
+
+class NamedWeight:
+    """`zrw_name`, the name zrw's messages give a layer's `weight`, kept on the Parameter itself
+    (zrw.cache.set_weight_name), where the cache reads it outside any compiled region: a per-layer
+    string read in forward would make torch.compile guard on it and recompile the forward for
+    every layer. The module keeps a copy, and stamps it on its weights again whenever they are
+    replaced: a parameter registered anew (a parallel engine's DTensor from
+    `parallelize_module`, `load_state_dict(assign=True)`), a copy or an unpickled module
+    (copy.deepcopy makes new Parameters without their attributes). A layer with other weights
+    than `weight` overrides `_weight_names` (parameter name -> zrw name)."""
+
+    @property
+    def zrw_name(self) -> str:
+        return cache.weight_name(self.weight) or self.__dict__.get("_zrw_layer_name", "")
+
+    @zrw_name.setter
+    def zrw_name(self, name: str) -> None:
+        self.__dict__["_zrw_layer_name"] = name
+        cache.set_weight_name(self.weight, name)
+
+    def _weight_names(self) -> dict:
+        return {"weight": self.__dict__.get("_zrw_layer_name")}
+
+    def register_parameter(self, name: str, param) -> None:
+        super().register_parameter(name, param)
+        shown = self._weight_names().get(name) if param is not None else None
+        if shown:
+            cache.set_weight_name(param, shown)  # a DTensor: its local shard
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        restamp_names(self, self._weight_names())
+
+
+class ReleasedWeightsStateDict:
+    """state_dict() and load_state_dict() of a zrw layer whose quantized parameters
+    (`zrw_quantized`) may be released.
+
+    Saving: a released weight with an FP32 master (zrw.optim.MasterWeights, or
+    zrw.cache.register_master) is materialized as a fresh `master.to(w.dtype)`, one tensor at a
+    time: exactly the BF16 weight, while the weight itself stays released (nothing is restored
+    or re-quantized). A released weight without a master (mid-step with a plain optimizer, or a
+    frozen weight released for good) makes state_dict() raise a named error before anything is
+    returned, so `torch.save(model.state_dict(), path)` fails before it opens (and truncates)
+    `path`.
+
+    Loading: a released weight with a master takes the loaded values into its master and stays
+    released (its FP8 copy is dropped; its next use quantizes the new values); a released weight
+    without a master, or a frozen weight released for good (release_frozen), is restored with
+    the loaded values (its next use quantizes and releases them again); any other weight is
+    loaded as usual,
+    and its master (if any) follows it. So a model's load_state_dict never leaves a master
+    behind its weight."""
+
+    def _released_weights(self):
+        """(name, parameter, FP32 master or None) of each quantized parameter that is released.
+        A DTensor weight (tensor / expert parallelism): the cache holds its local shard, and
+        the master is that shard's."""
+        params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
+        params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
+        states = cache.cache_states([local_tensor(p) for _, p in params])
+        return [(n, p, cache.master_of(local_tensor(p)))
+                for (n, p), st in zip(params, states) if st.released]
+
+    def __getstate__(self):
+        """Pickling and copy.deepcopy of the layer (`torch.save(model, path)`, an EMA or
+        best-model copy between steps): a released weight with an FP32 master goes into the
+        copy as a fresh Parameter holding its exact value (bf16 of the master), so the copy is
+        an ordinary layer with readable weights; this layer is not changed (its weights stay
+        released). A released weight without a master is left as it is, and pickling it raises
+        the released-weight error that names it."""
+        state = super().__getstate__()
+        released = [(n, p, m) for n, p, m in self._released_weights() if m is not None]
+        if not released:
+            return state
+        state = dict(state)  # nn.Module's is the instance's own __dict__
+        params = state["_parameters"] = dict(state["_parameters"])
+        for n, p, m in released:
+            params[n] = nn.Parameter(materialize(p, m), requires_grad=p.requires_grad)
+        return state
+
+    def _restore_released(self) -> None:
+        """Bring this layer's released weights back, exactly from their FP32 masters (a weight
+        without one has only its FP8 copy left: a frozen weight released for good, or one of
+        an optimizer attached with fill='dequant', whose boundary dequantizes it anyway), and
+        drop the FP8 copies of the others. A weight with a master is then held (not released
+        again) until its optimizer's next write-back, which reads what was written into it
+        (MasterWeights follows every write to a parameter)."""
+        for n in self.zrw_quantized:
+            p = self._parameters.get(n)
+            if not isinstance(p, torch.Tensor):
+                continue
+            local = local_tensor(p)
+            if cache.restore_value(local) is not None:
+                local._zrw_hold = True
+
+    def apply(self, fn):
+        """nn.Module.apply (`model.apply(init_fn)`): `fn` sees this layer's weights with their
+        values (released ones are restored first, see _restore_released), so a
+        re-initialization works as on nn.Linear; the optimizer's next step takes the new
+        values into its masters, and the step after it releases them again."""
+        self._restore_released()
+        return super().apply(fn)
+
+    def _apply(self, fn, recurse=True):
+        """Casts and moves (`model.to(dtype)`, `.half()`, `.float()`, `share_memory()`): a
+        function that keeps a released weight's dtype and device leaves it released (its value
+        cannot change: only its FP8 copy and master exist); one that changes them gets the
+        weight restored first (see _restore_released), so the cast reads its exact value."""
+        kept = {}
+        changes = False
+        for n in self.zrw_quantized:
+            p = self._parameters.get(n)
+            if not isinstance(p, torch.Tensor):
+                continue
+            try:
+                probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                same = (isinstance(probe, torch.Tensor) and probe.dtype == p.dtype
+                        and probe.device == p.device)
+            except Exception:
+                same = False
+            if same and cache.cache_state(local_tensor(p)).released:
+                kept[n] = p
+            elif not same:
+                changes = True
+        if changes:
+            self._restore_released()
+            return super()._apply(fn, recurse)
+        if not kept:
+            return super()._apply(fn, recurse)
+        order = list(self._parameters)
+        for n in kept:
+            del self._parameters[n]
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            current = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update({k: kept[k] if k in kept else current[k] for k in order
+                                     if k in kept or k in current})
+        with torch.no_grad():
+            for p in kept.values():
+                if p.grad is not None:
+                    g = fn(p.grad)
+                    if g is not p.grad:
+                        p.grad = g
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        released = self._released_weights()
+        if deferring():
+            # zrw.checkpoint materializes each released weight when it writes it: here the
+            # weight itself stands for it (its cache entry, master and metadata; no bytes).
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            for n, p, _ in released:
+                destination[prefix + n] = p
+            return
+        # Frozen weights released for good (release_frozen): their FP8 copy is their only value.
+        frozen = {n: p for n, p, m in released
+                  if m is None
+                  and cache.cache_state(local_tensor(p)) is cache.CacheState.RELEASED_FOR_GOOD}
+        if frozen and frozen_mode() == "raise":
+            names = ", ".join(repr(cache.weight_name(local_tensor(p)) or n)
+                              for n, p in frozen.items())
+            raise RuntimeError(
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': frozen "
+                f"weight(s) {names} are released for good (release_frozen=True) and only their "
+                "MXFP8 copies exist; nothing was returned (zrw.checkpoint.frozen_values('raise') "
+                "is in effect). Use frozen_values('dequant') for their dequantized FP8 values, "
+                "or convert with release_frozen=False to keep their exact BF16 values")
+        orphans = [local_tensor(p) for n, p, m in released
+                   if m is None and n not in frozen]
+        if orphans:
+            names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
+            raise RuntimeError(
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': weight(s) "
+                f"{names} are released (zero-redundancy weights: only their MXFP8 copies live "
+                "between the first forward of a step and the optimizer step) and have no FP32 "
+                "master to materialize them from; nothing was returned or written. Take the "
+                "state dict after the optimizer step, use zrw.optim.MasterWeights (exact), or "
+                "restore the weights first with zrw.cache.restore_all('master') (lossy "
+                "dequantization where no master exists)")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for n, p, m in released:
+            if n in frozen:
+                destination[prefix + n] = self._frozen_value(p)
+            else:
+                destination[prefix + n] = materialize(p, m)
+
+    def _frozen_value(self, p: Tensor) -> Tensor:
+        """A frozen weight released for good, as its dequantized FP8 copy (its only value;
+        what `zrw.cache.restore_frozen` writes back): a fresh tensor, the weight stays
+        released."""
+        warn_frozen_dequant(cache.weight_name(local_tensor(p)))
+        local = local_tensor(p)
+        with torch.no_grad():
+            q = cache.quant_and_release(local, self.recipe.cache_layout, False,
+                                        release_frozen=True,
+                                        elem_dtype=self.recipe.elem_dtype,
+                                        scale_mode=self.recipe.scale_mode)
+            value = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, local.dtype)
+        return wrap_like(p, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            # load_state_dict(assign=True) replaces the parameter objects: the old weights, and
+            # their entries, are simply dropped; the new ones take the old ones' zrw names.
+            names = {n: cache.weight_name(p) for n, p in self._parameters.items()
+                     if isinstance(p, torch.Tensor) and cache.weight_name(p)}
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            restamp_names(self, names)
+            return
+        params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
+        params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
+        states = cache.cache_states([local_tensor(p) for _, p in params])
+        held = {}  # released weights: loaded here, hidden from nn.Module's copy_
+        for (n, p), st in zip(params, states):
+            if st.released and prefix + n in state_dict:
+                held[n] = (p, st)
+        if held:
+            saved = dict(self._parameters)
+            for n in held:
+                del self._parameters[n]
+        first_unexpected = len(unexpected_keys)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            if held:
+                self._parameters.clear()
+                self._parameters.update(saved)
+        if held:
+            unexpected_keys[first_unexpected:] = [
+                k for k in unexpected_keys[first_unexpected:]
+                if k[len(prefix):] not in held]
+        for n, (p, st) in held.items():
+            key = prefix + n
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected '
+                                  f"torch.Tensor or Tensor-like object from checkpoint but "
+                                  f"received {type(value)}")
+                continue
+            if tuple(value.shape) != tuple(p.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {tuple(p.shape)}.")
+                continue
+            if is_dtensor(p):
+                # The rank's shard of the loaded value: a DTensor laid out as the weight.
+                if (not is_dtensor(value) or value.placements != p.placements
+                        or value.device_mesh != p.device_mesh):
+                    error_msgs.append(
+                        f"zrw: {key} is a released DTensor weight of placements "
+                        f"{p.placements}; load a state dict of DTensors with the same "
+                        f"placements, or call zrw.cache.restore_all('master') first, got "
+                        f"{type(value).__name__}"
+                        f"{' ' + str(value.placements) if is_dtensor(value) else ''}")
+                    continue
+                value, p = value.to_local(), local_tensor(p)
+            master = cache.master_of(p)
+            with torch.no_grad():
+                if st is cache.CacheState.RELEASED_FOR_GOOD:
+                    # A frozen weight released for good: restored with these values (its entry
+                    # goes; its next use quantizes and releases them again); a master it has
+                    # takes them too.
+                    cache.restore(p, "master", source=value.detach())
+                    if master is not None:
+                        master.copy_(value.detach().to(p.dtype))
+                elif master is None:
+                    cache.assign_weights([p], [value.detach()])  # restored with these values
+                else:
+                    # The master takes the weight's new value as the weight would hold it.
+                    master.copy_(value.detach().to(p.dtype))
+                    cache.assign_weights([p], [master], keep_released=True)
+        for (n, p), st in zip(params, states):
+            if n in held or prefix + n not in state_dict:
+                continue
+            # Its FP8 copy is stale; its master (if any) takes the loaded value at its
+            # optimizer's next step (MasterWeights follows every write to a parameter).
+            cache.cache_invalidate(local_tensor(p))
+
+
+def restamp_names(module: nn.Module, names: dict) -> None:
+    """Set each named parameter's zrw name (zrw.cache.set_weight_name), where both exist."""
+    for pname, name in names.items():
+        param = module._parameters.get(pname)
+        if param is not None and name is not None:
+            cache.set_weight_name(param, name)
+
+

@@ -1,0 +1,155 @@
+"""From a layer's weight to its MX planes: one policy, one function (a level above zrw.cache,
+below the layers).
+
+`WeightPolicy` is how a layer treats its quantized weights: the recipe, whether to release
+(and release frozen weights for good), whether the gradient accumulates in FP32 `main_grad`,
+and the name for zrw's messages. Every zrw layer carries one (`layer.policy`), built from its
+public attributes.
+
+`weight_planes(weight, policy)` turns any kind of weight a layer can meet into its planes:
+  * a tensor that carries its planes (zrw.planes.MXPlanesCarrier: FSDP2's gathered weight);
+  * a parallel engine's `DTensor.to_local()` view (transformers' expert styles): the planes of
+    the local shard it shows, which `prepare_local_shards` (zrw.parallel.prepare's pre-hook)
+    quantized and released before the view existed;
+  * a DTensor (DTensor TP): its local shard, trainable as its DTensor is;
+  * any other tensor: itself, through the native cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import cache
+from ._dtensor import check_tensor, engine_view_owner, is_dtensor, wrap_like
+from .config import QuantRecipe, get_recipe
+from .planes import MXPlane, MXPlanesCarrier, MXWeight
+
+
+@dataclass(frozen=True)
+class WeightPolicy:
+    """How a layer quantizes its weights: `recipe` (a QuantRecipe), `release` (free the BF16
+    storage from the first use in a step to the optimizer boundary), `release_frozen` (frozen
+    weights too, for good), `main_grad` (accumulate the weight gradient in FP32 `main_grad`,
+    no `.grad`), `name` (for messages; None: the weight's own, zrw.cache.set_weight_name)."""
+
+    recipe: QuantRecipe
+    release: bool = True
+    release_frozen: bool = False
+    main_grad: bool = False
+    name: Optional[str] = None
+
+    @staticmethod
+    def of(module, name: Optional[str] = None) -> "WeightPolicy":
+        """The policy of a zrw layer, from its attributes (`recipe`, `release`, and where it has
+        them `release_frozen` and `main_grad`)."""
+        return WeightPolicy(get_recipe(module.recipe), module.release,
+                            getattr(module, "release_frozen", False),
+                            getattr(module, "main_grad", False), name)
+
+    def named(self, name: Optional[str]) -> "WeightPolicy":
+        return self if name == self.name else replace(self, name=name)
+
+
+def _check_policy(op: str, policy) -> WeightPolicy:
+    if not isinstance(policy, WeightPolicy):
+        raise TypeError(f"{op}: policy must be a zrw.weights.WeightPolicy, got "
+                        f"{type(policy).__name__}")
+    return policy
+
+
+def _check_recipe(op: str, recipe) -> QuantRecipe:
+    if not isinstance(recipe, QuantRecipe):
+        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
+                        f"{type(recipe).__name__}")
+    return recipe
+
+
+@torch._dynamo.disable
+def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
+                release_frozen: bool, name: Optional[str] = None) -> MXWeight:
+    """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
+    view of it) is (`requires_grad`)."""
+    check_tensor("zrw.parallel.quant_local", "owner", owner)
+    _check_recipe("zrw.parallel.quant_local", recipe)
+    return cache.quant_and_release(owner, recipe.cache_layout, release,
+                                   release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
+                                   scale_mode=recipe.scale_mode, name=name,
+                                   require_owner=True, trainable=bool(requires_grad))
+
+
+def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release: bool,
+                      release_frozen: bool, name: Optional[str] = None) -> MXWeight:
+    """The planes of a weight the engine handed to forward as a `to_local()` view: those of
+    its local tensor, which `prepare`'s pre-hook quantized (and released) before the view
+    existed."""
+    check_tensor("zrw.parallel.quant_engine_view", "view", view)
+    check_tensor("zrw.parallel.quant_engine_view", "owner", owner)
+    if not getattr(owner, "_zrw_prepared", False):
+        shown = name or cache.weight_name(owner) or f"<weight of local shape {tuple(owner.shape)}>"
+        raise RuntimeError(
+            f"zrw: weight '{shown}' reaches its layer as a DTensor.to_local() view (a "
+            "parallel engine, e.g. transformers' moe_tp_experts / ep_dispatch_experts, hands "
+            "the layer its local shard), but zrw.parallel.prepare(model) has not run on it. "
+            "Call zrw.parallel.prepare(model) once after the model is sharded: it checks the "
+            "local shards and quantizes and releases them before the engine makes the view")
+    return quant_local(owner, view.requires_grad, recipe, release, release_frozen, name)
+
+
+def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
+    """The MX planes of any weight a zrw layer meets (see the module docstring). For a carrier
+    the backward plane is None: it is read from the weight in backward, after FSDP2's
+    re-gather (FSDP2 frees the gathered planes at reshard and refills them then)."""
+    _check_policy("zrw.weights.weight_planes", policy)
+    recipe = policy.recipe
+    if isinstance(weight, MXPlanesCarrier):
+        q = weight.mx_weight("fwd")
+        return MXWeight(q.recipe, q.fwd, MXPlane(None, None))
+    owner = engine_view_owner(weight)
+    if owner is not None:
+        return quant_engine_view(weight, owner, recipe, policy.release, policy.release_frozen,
+                                 policy.name)
+    if is_dtensor(weight):
+        return quant_local(weight._local_tensor, weight.requires_grad, recipe, policy.release,
+                           policy.release_frozen, policy.name)
+    return cache.quant_and_release(weight, recipe.cache_layout, policy.release,
+                                   release_frozen=policy.release_frozen,
+                                   elem_dtype=recipe.elem_dtype, scale_mode=recipe.scale_mode,
+                                   name=policy.name, require_owner=True)
+
+
+def main_grad_owner(weight: Tensor) -> Tensor:
+    """The parameter that accumulates `weight`'s main_grad: for an engine's to_local() view,
+    the DTensor parameter it shows (recorded by `prepare`); else `weight` itself."""
+    check_tensor("zrw.parallel.main_grad_owner", "weight", weight)
+    base = engine_view_owner(weight)
+    ref = getattr(base, "_zrw_dtensor", None) if base is not None else None
+    param = ref() if ref is not None else None
+    return weight if param is None else param
+
+
+def accumulate_main_grad(owner: Tensor, grad: Tensor) -> None:
+    """Megatron-style: add the FP32 gradient `grad` (of owner's local shard, for a DTensor
+    owner) into `owner.main_grad`, creating it at the first backward of a step."""
+    g = wrap_like(owner, grad)
+    if getattr(owner, "main_grad", None) is None:
+        owner.main_grad = g
+    else:
+        owner.main_grad.add_(g)
+
+
+def prepare_local_shards(module, args, kwargs=None):
+    """Forward pre-hook of a zrw layer with DTensor weights (zrw.parallel.prepare installs it):
+    quantize (and release) the local shards now, before an engine's forward wrapper swaps in
+    `to_local()` views of them."""
+    if not torch.is_grad_enabled():
+        return None  # eval / inference: nothing is cached or released (zrw.cache)
+    policy = WeightPolicy.of(module)
+    for pname in module.zrw_quantized:
+        p = module._parameters.get(pname)
+        if is_dtensor(p):
+            quant_local(p._local_tensor, p.requires_grad, policy.recipe, policy.release,
+                        policy.release_frozen, cache.weight_name(p._local_tensor) or None)
+    return None

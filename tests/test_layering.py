@@ -1,0 +1,140 @@
+"""zrw's imports run one way (issue 21): each module imports only modules of a lower level, and
+no zrw module is imported inside a function or class body.
+
+LEVELS is the module map (README "Module map"). A module missing from it fails the test: place
+it when you add it. Read from the sources with `ast`, so nothing is imported to check it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "zrw"
+
+# Lower imports from higher, never the other way. The package root `zrw` is the public API:
+# the applications (demo, bench, testing) above it drive it; nothing below may import it.
+LEVELS: Dict[str, int] = {
+    "zrw._C": 0, "zrw._C_npu": 0,
+    "zrw.ops": 1,
+    "zrw._fake": 2, "zrw._autograd": 2, "zrw.reference": 2, "zrw._released_queries": 2,
+    "zrw.memory": 2, "zrw.backends": 2,
+    "zrw.config": 3, "zrw.planes": 3, "zrw._dtensor": 3,
+    "zrw.cache": 4,
+    "zrw.weights": 5, "zrw.state_dict": 5,
+    "zrw.nn.functional": 6, "zrw.optim": 6, "zrw.fsdp": 6,
+    "zrw.nn.linear": 7,
+    "zrw.nn.grouped": 8,
+    "zrw.nn.convert": 9,
+    "zrw.nn": 10,
+    "zrw.parallel": 11, "zrw.checkpoint": 11,
+    "zrw": 12,
+    "zrw.demo": 13, "zrw.testing": 13,
+    "zrw.bench._timing": 14,
+    "zrw.bench": 15, "zrw.bench.cache": 15, "zrw.bench.fsdp": 15, "zrw.bench.hf": 15,
+    "zrw.bench.linear": 15, "zrw.bench.quant": 15, "zrw.bench.seed": 15, "zrw.bench.step": 15,
+    "zrw.bench.__main__": 16,
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(mod: str, is_package: bool, node: ast.AST) -> List[str]:
+    """The zrw modules an import statement of module `mod` names (the most specific that
+    exist in LEVELS: `from zrw import ops` is zrw.ops, `from zrw import MXWeight` is zrw)."""
+    out = []
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name == "zrw" or alias.name.startswith("zrw."):
+                out.append(alias.name)
+        return out
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        base = mod.split(".") if is_package else mod.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+        if not (target == "zrw" or target.startswith("zrw.")):
+            return out
+    for alias in node.names:
+        sub = f"{target}.{alias.name}"
+        out.append(sub if sub in LEVELS else target)
+    return out
+
+
+def _enclosing_scope(tree: ast.AST) -> Dict[ast.AST, Optional[ast.AST]]:
+    """Each import node -> the function or class it sits in (None at module level)."""
+    scope: Dict[ast.AST, Optional[ast.AST]] = {}
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                scope[child] = owner
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.ClassDef, ast.Lambda)) else owner
+            visit(child, inner)
+
+    visit(tree, None)
+    return scope
+
+
+def violations(mod: str, source: str, is_package: bool) -> List[str]:
+    """Every upward, same-level or function-local zrw import of module `mod` in `source`."""
+    if mod not in LEVELS:
+        return [f"{mod}: not in the module map (tests/test_layering.py LEVELS): place it"]
+    level = LEVELS[mod]
+    found = []
+    tree = ast.parse(source)
+    for node, owner in _enclosing_scope(tree).items():
+        for target in _resolve(mod, is_package, node):
+            where = f"{mod}:{node.lineno}"
+            if owner is not None:
+                found.append(f"{where}: imports {target} inside "
+                             f"{getattr(owner, 'name', 'a lambda')}() (import it at the top)")
+                continue
+            if target not in LEVELS:
+                found.append(f"{where}: imports {target}, which is not in the module map")
+            elif LEVELS[target] >= level:
+                found.append(f"{where}: imports {target} (level {LEVELS[target]}) from level "
+                             f"{level}: imports must go to lower levels only")
+    return found
+
+
+def _sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield module_name(path, PACKAGE), path
+
+
+def test_every_import_goes_down():
+    found = []
+    for mod, path in _sources():
+        found += violations(mod, path.read_text(), path.name == "__init__.py")
+    assert not found, "\n".join(found)
+
+
+def test_every_module_is_on_the_map():
+    on_disk = {mod for mod, _ in _sources()}
+    compiled = {"zrw._C", "zrw._C_npu"}
+    assert not (set(LEVELS) - on_disk - compiled), set(LEVELS) - on_disk - compiled
+
+
+@pytest.mark.parametrize("source, why", [
+    ("from .nn import linear\n", "upward"),
+    ("from . import weights\n", "upward"),
+    ("from .state_dict import materialize\n", "same level"),
+    ("def f():\n    from . import ops\n", "function-local"),
+    ("import zrw\n", "the package root from below it"),
+])
+def test_the_check_fails_on_a_bad_import(source, why):
+    """The check itself: an upward, same-level or function-local import added to zrw.weights
+    is reported, naming the module and the line."""
+    found = violations("zrw.weights", source, False)
+    assert found and all(f.startswith("zrw.weights:") for f in found), (why, found)
