@@ -132,9 +132,11 @@ def check_placements(w: Tensor, name: str) -> None:
     if chunk % BLOCK or (factor > 1 and part % BLOCK):
         got = f"{chunk} per rank" if factor == 1 else \
             f"{chunk} per rank of each of its {factor} packed parts of {part}"
+        names = mesh.mesh_dim_names
+        over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else f"{world} ranks"
         raise ValueError(
-            f"zrw: weight '{name}' (global shape {tuple(w.shape)}) is sharded {p} over {world} "
-            f"ranks: dim {dim}, its {axis}, is split into {got}, not a multiple of the MX "
+            f"zrw: weight '{name}' (global shape {tuple(w.shape)}) is sharded {p} over {over}"
+            f": dim {dim}, its {axis}, is split into {got}, not a multiple of the MX "
             f"block ({BLOCK}). A shard boundary inside a block would give this rank other "
             "scales than the unsharded weight. Use a parallel degree that splits this axis "
             f"into multiples of {BLOCK}, or keep the layer in BF16 (zrw.convert(model, "

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from . import cache, ops, planes
-from ._dtensor import is_dtensor
+from ._dtensor import _dtensor_cls, check_placements, is_dtensor
 from .config import QuantRecipe, get_recipe
 
 __all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "clear_shard_cache", "stats"]
@@ -185,11 +185,15 @@ class PreQuantWeight(torch.Tensor):
         world = mesh.size()
         if not self._whole_blocks(outer_size, world):
             if not self._zrw_warned:
+                names = getattr(mesh, "mesh_dim_names", None)
+                over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else \
+                    f"{world} ranks"
                 warnings.warn(
                     f"zrw.fsdp: weight '{self._zrw_name}' of shape {tuple(outer_size)} does not "
-                    f"shard into whole 32-row blocks over {world} ranks: it is all-gathered in "
+                    f"shard into whole 32-row blocks over {over}: it is all-gathered in "
                     f"{param_dtype} and quantized after the gather (correct, but not "
-                    "zero-redundancy for this weight)", stacklevel=2)
+                    "zero-redundancy for this weight; the fix: a data-parallel degree that "
+                    "splits its rows into multiples of 32)", stacklevel=2)
                 self._zrw_warned = True
             shard = self._tensor.detach().to(param_dtype)
             padded_rows = -(-outer_size[0] // world)
@@ -220,6 +224,8 @@ class PreQuantWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         phase, outer_size = metadata[0], metadata[1]
+        if out is not None and is_dtensor(out):
+            out = out._local_tensor  # FSDP2 x TP: the unsharded parameter is a TP DTensor
         rcp = self._zrw_recipe
         elem = rcp.elem_dtype
         e8 = torch.float8_e8m0fnu
@@ -381,6 +387,15 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
             "ever materialized); only zrw layers can use it")
 
 
+def _fsdp_managed(model: nn.Module) -> bool:
+    """Whether fully_shard has run on `model` or any module inside it."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def prepare(model: nn.Module, both_planes: bool = False) -> int:
     """Wrap the quantized weights of every zrw layer in PreQuantWeight; returns how many.
 
@@ -390,7 +405,19 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
     zrw.convert and before fully_shard (the extension hooks are looked up when FSDP2 shards a
     parameter). both_planes=True gathers both mxfp8 planes in every gather: needed with
     fully_shard(..., reshard_after_forward=False) and with activation recompute.
+
+    FSDP2 x TP (a 2-D mesh, torchtitan's layout): call it after `parallelize_module` on the TP
+    mesh dimension and before `fully_shard` on the DP one. A weight that is already a DTensor
+    of the TP engine keeps its placements; its local shard is wrapped (the DTensor then holds a
+    PreQuantWeight), so FSDP2 all-gathers the MXFP8 planes of each rank's TP-local shard and the
+    layer computes on the gathered TP-local planes. Its TP shards must hold whole 32-element
+    blocks (refused otherwise, with an error naming the weight and the mesh dimension); FSDP2's
+    rows follow the 1-D rule (whole 32-row blocks per rank, else a BF16 gather with a warning).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zrw.fsdp.prepare: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    managed = _fsdp_managed(model)
     n = 0
     for mname, mod in model.named_modules():
         names = getattr(mod, "zrw_quantized", None)
@@ -399,16 +426,25 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
         recipe = get_recipe(mod.recipe)
         for pname in names:
             p = getattr(mod, pname)
-            if isinstance(p, PreQuantWeight):
+            qual = f"{mname}.{pname}" if mname else pname
+            if isinstance(p, PreQuantWeight) or (
+                    is_dtensor(p) and isinstance(p._local_tensor, PreQuantWeight)):
                 continue
-            if is_dtensor(p.data):
+            if is_dtensor(p.data) and managed:
                 raise RuntimeError(
                     f"zrw.fsdp.prepare: parameter '{mname}.{pname}' is already sharded (a "
                     "DTensor): call prepare(model) after zrw.convert and before fully_shard — "
                     "FSDP2 looks up the all-gather extension when it shards a parameter")
-            qual = f"{mname}.{pname}" if mname else pname
-            wrapped = nn.Parameter(PreQuantWeight(p.data, recipe, qual, both_planes),
-                                   requires_grad=p.requires_grad)
+            if is_dtensor(p):
+                # Tensor parallelism first (the 2-D layout): FSDP2 will shard the local shard.
+                check_placements(p, qual)
+                inner = PreQuantWeight(p._local_tensor.detach(), recipe, qual, both_planes)
+                value = _dtensor_cls().from_local(inner, p.device_mesh, p.placements,
+                                                  run_check=False, shape=p.shape,
+                                                  stride=p.stride())
+            else:
+                value = PreQuantWeight(p.data, recipe, qual, both_planes)
+            wrapped = nn.Parameter(value, requires_grad=p.requires_grad)
             setattr(mod, pname, wrapped)
             n += 1
     return n

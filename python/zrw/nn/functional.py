@@ -31,7 +31,7 @@ from .._dtensor import (
     shard_info,
 )
 from ..config import QuantRecipe, get_recipe
-from ..planes import MXWeight
+from ..planes import MXPlanesCarrier, MXWeight
 from ..weights import WeightPolicy, accumulate_main_grad, quant_local, weight_planes
 from ..weights import main_grad_owner as _main_grad_owner
 
@@ -271,6 +271,8 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
         raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
                         f"{type(recipe).__name__}")
     owner = weight._local_tensor
+    # FSDP2 x TP: the gathered TP-local weight carries its MX planes (zrw.fsdp).
+    carrier = isinstance(owner, MXPlanesCarrier)
     name = name or cache.weight_name(owner) or cache.weight_name(weight) or None
     shown = name or "MXLinear.weight"
     check_placements(weight, shown)
@@ -315,7 +317,10 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
         x = x.redistribute(mesh, [want])
     # Quantize (and release) before any view of the local tensor exists (the guard refuses
     # to free a storage another tensor holds), then take the autograd-connected view.
-    q = quant_local(owner, weight.requires_grad, recipe, release, release_frozen, name)
+    if carrier:
+        q = weight_planes(owner, WeightPolicy(recipe, release, release_frozen, main_grad, name))
+    else:
+        q = quant_local(owner, weight.requires_grad, recipe, release, release_frozen, name)
     w_local = weight.to_local()
     x_local = x.to_local(grad_placements=None if x_grad is None else [x_grad])
     b_local, b_after = None, None
