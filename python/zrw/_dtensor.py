@@ -106,8 +106,10 @@ def check_placements(w: Tensor, name: str) -> None:
         raise ValueError(
             f"zrw: weight '{name}' is a DTensor on a {mesh.ndim}-d device mesh "
             f"{tuple(mesh.shape)} with placements {w.placements}: zrw's layers compute on the "
-            "local shard of a 1-d (tensor- or expert-parallel) mesh; weights sharded over 2-d "
-            "meshes (e.g. FSDP2 x TP) are not supported yet")
+            "local shard of a 1-d (tensor- or expert-parallel) mesh. For FSDP2 x TP on a 2-d "
+            "mesh, call zrw.fsdp.prepare(model) after parallelize_module (on the TP mesh "
+            "dimension) and before fully_shard (on the DP one): FSDP2 then gathers the TP-local "
+            "weight's MXFP8 planes and the layer sees a 1-d TP DTensor")
     (p,) = w.placements
     if p.is_partial():
         raise ValueError(f"zrw: weight '{name}' has placement {p}: a weight must be sharded "

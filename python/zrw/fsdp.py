@@ -202,6 +202,14 @@ class PreQuantWeight(torch.Tensor):
                 shard = torch.cat([shard, pad])
             return (shard,), ("fallback", tuple(outer_size))
         q = self._quantized_shard(param_dtype)
+        if world == 1:
+            # A group of one rank (e.g. the experts' FSDP dimension when EP spans the DP
+            # ranks): FSDP2 2.13 then copies only the first all-gather input, so every plane
+            # travels packed in one uint8 buffer (which FSDP2 frees at reshard like a gather's).
+            pieces = [q.fwd.data, q.block_scale] if self._zrw_recipe.block_32x32 else \
+                [*q.fwd, *q.bwd]
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in pieces])
+            return (flat,), ("packed", tuple(outer_size), [tuple(t.shape) for t in pieces])
         if self._zrw_recipe.block_32x32:
             inputs, phase = (q.fwd.data, q.block_scale), "block"
         elif self._zrw_both_planes:
@@ -240,6 +248,20 @@ class PreQuantWeight(torch.Tensor):
                 w = planes.MXWeight.from_tensors(
                     rcp.cache_layout, list(ops.mx_quantize_dual(full, elem, rcp.scale_mode)))
             inner = list(w.tensors())
+        elif phase == "packed":
+            (flat,) = all_gather_outputs
+            flat, views, at = flat.reshape(-1), [], 0
+            for i, shape in enumerate(metadata[2]):
+                n = 1
+                for d in shape:
+                    n *= d
+                views.append(flat[at:at + n].view(elem if i % 2 == 0 else e8).view(shape))
+                at += n
+            if rcp.block_32x32:
+                w = _block_planes(rcp, views[0], views[1], outer_size)
+                inner = [w.fwd.scale, w.bwd.scale]
+            else:
+                w = planes.MXWeight.from_tensors(rcp.cache_layout, views)
         elif phase == "block":
             data, block = all_gather_outputs
             w = _block_planes(rcp, data.view(elem), block.view(e8), outer_size)
@@ -278,7 +300,8 @@ class PreQuantWeight(torch.Tensor):
             w = planes.MXWeight(rcp.cache_layout, fwd, bwd)
         if out is not None:
             prev = out._zrw_state["planes"]
-            if prev is not None and phase in ("fallback", "block"):
+            if prev is not None and (phase in ("fallback", "block") or (
+                    phase == "packed" and rcp.block_32x32)):
                 # fallback: the planes quantized after a BF16 gather are the inner tensors FSDP2
                 # got the first time: it re-allocated them and frees them at reshard. Refill in
                 # place, or fresh copies would outlive every reshard. block: the same for the

@@ -1,7 +1,12 @@
-"""FSDP2 x TP on one 2-D DeviceMesh (issue 22): 4 real ranks (gloo on CPU), mesh ("dp", "tp") =
-(2, 2), torchtitan's order: zrw.convert, parallelize_module on mesh["tp"] (fc1 Colwise, fc2
-Rowwise), zrw.fsdp.prepare, fully_shard on mesh["dp"]. Each launch runs tests/parallel/
-fsdp_tp_worker.py on 4 ranks (see its docstring for the modes)."""
+"""Past one parallel axis (issue 22), on real process groups (gloo on CPU):
+
+* FSDP2 x TP on one 2-D DeviceMesh: 4 ranks, mesh ("dp", "tp") = (2, 2), torchtitan's order:
+  zrw.convert, parallelize_module on mesh["tp"] (fc1 Colwise, fc2 Rowwise), zrw.fsdp.prepare,
+  fully_shard on mesh["dp"] (tests/parallel/fsdp_tp_worker.py);
+* expert parallelism inside FSDP2: 2 ranks, a tiny Qwen3-MoE under transformers' own engine
+  (experts sharded over EP with its all-to-all dispatch, everything under FSDP2 over DP;
+  tests/parallel/ep_fsdp_worker.py).
+See the workers' docstrings for the modes each launch runs."""
 import os
 
 import pytest
@@ -10,6 +15,7 @@ import torch
 from helpers import TESTS, ranks
 
 WORKER = os.path.join(TESTS, "parallel", "fsdp_tp_worker.py")
+EP_WORKER = os.path.join(TESTS, "parallel", "ep_fsdp_worker.py")
 WEIGHTS = ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
 # The losses of the 2-D run against the unsharded zrw run on the same global batch: the
 # rowwise layers' partial products are summed over the TP ranks in the activation dtype
@@ -78,3 +84,40 @@ def test_a_dp_split_that_cuts_a_block_gathers_bf16_with_a_warning(tmp_path):
     assert r["on"]["losses"] == r["off"]["losses"]
     for got, want in zip(r["on"]["losses"], r["single_losses"]):
         assert abs(got - want) <= LOSS_RTOL * abs(want)
+
+
+@pytest.mark.parametrize("recipe, limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
+def test_expert_parallel_inside_fsdp2(tmp_path, recipe, limit):
+    r = ranks.launch(EP_WORKER, tmp_path, "--recipe", recipe, world=2)
+    on, off, bf16 = r["on"], r["off"], r["bf16"]
+    # The experts: sharded over EP by the engine, inside FSDP2 (2-D placements), all-gathered
+    # through zrw's extension (the local shard is a PreQuantWeight).
+    assert len(on["expert_placements"]) == 4
+    for name, (placements, local) in on["expert_placements"].items():
+        assert local == "PreQuantWeight" and placements.count("Shard") == 2, (name, placements)
+    # release on = release off, bit for bit.
+    assert on["losses"] == off["losses"]
+    for n, w in on["weights"].items():
+        assert torch.equal(w, off["weights"][n]), n
+    # The unsharded zrw run on the same global batch.
+    for got, want in zip(on["losses"], r["single_losses"]):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (on["losses"], r["single_losses"])
+    # Each rank quantizes its shard of every converted weight (experts included) once per
+    # step; no BF16 copy of a converted weight is ever made (nothing goes through the native
+    # cache, nothing is restored).
+    assert len(on["converted"]) == 12
+    assert on["quantizations"] == 3 * len(on["converted"])
+    assert on["cache_entries"] == 0 and on["restored_bytes"] == 0
+    # All-gather bytes against FSDP2's BF16 gather of the same model, collective by collective
+    # (the same schedule in both runs). The collectives that carry converted weights are the
+    # decoder layers' groups: their attention weights travel as MXFP8, their norms and router
+    # in BF16 in both runs (layer_other_bytes, subtracted from both); the converted weights
+    # send <= limit of their BF16 bytes. The root group (embeddings, final norm, lm_head: not
+    # converted) gathers the same BF16 bytes in both runs (the whole model's ratio is ~0.61
+    # for this tiny, vocabulary-heavy model).
+    assert len(on["calls"]) == len(bf16["calls"])
+    pairs = [(a, b) for a, b in zip(on["calls"], bf16["calls"]) if a != b]
+    assert pairs and all(a < b for a, b in pairs)
+    other = on["layer_other_bytes"]
+    ratio = sum(a - other for a, _ in pairs) / sum(b - other for _, b in pairs)
+    assert ratio <= limit, ratio

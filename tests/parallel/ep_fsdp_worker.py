@@ -1,0 +1,174 @@
+"""One rank of the expert-parallel-inside-FSDP2 test (spawned by test_fsdp_tp.py: 2 ranks, gloo).
+
+torchtitan's MoE layout through transformers' own engine: a tiny Qwen3-MoE whose experts are
+sharded over EP (ep_size=2, `ep_dispatch_experts` with the all-to-all token exchange: the
+engine's dispatch) and everything under FSDP2 over DP (fsdp_size=2; transformers' fsdp_plan,
+its mixed precision: FP32 shards, BF16 compute). zrw's order: zrw.convert, zrw.fsdp.prepare,
+then the engine (zrw.parallel.apply_plan, which runs what from_pretrained(...,
+distributed_config=...) runs). Modes: zrw with release on and off, bf16 (the same model without
+zrw: FSDP2's BF16 all-gather), and rank 0 alone unsharded (zrw, release on) on the global batch.
+"""
+import argparse
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from helpers import ranks
+
+VOCAB = 128
+
+
+def build(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=False, intermediate_size=128, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1))
+
+
+def batches(args):
+    """Per step and micro-batch, the global batch: one sequence of 16 tokens per rank."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (args.world, 16), generator=g)
+            for _ in range(args.steps * args.micro_batches)]
+
+
+@contextlib.contextmanager
+def count_gathered_bytes():
+    from torch.distributed import ProcessGroup
+
+    counts = {"bytes": 0, "calls": []}  # total, and each collective's output bytes
+    saved = {}
+    for meth in ("all_gather_single", "_allgather_base"):
+        orig = getattr(ProcessGroup, meth, None)
+        if orig is None:
+            continue
+        saved[meth] = orig
+
+        def wrapper(self, out, inp, *a, _orig=orig, **k):
+            counts["bytes"] += out.numel() * out.element_size()
+            counts["calls"].append(out.numel() * out.element_size())
+            return _orig(self, out, inp, *a, **k)
+
+        setattr(ProcessGroup, meth, wrapper)
+    try:
+        yield counts
+    finally:
+        for meth, orig in saved.items():
+            setattr(ProcessGroup, meth, orig)
+
+
+def converted(model):
+    import zrw
+
+    return [f"{n}.{p}" for n, m in model.named_modules() if zrw.planes.is_zrw_layer(m)
+            for p in m.zrw_quantized]
+
+
+def run_sharded(args, mode):
+    from transformers.distributed import DistributedConfig
+
+    import zrw
+    import zrw.fsdp
+
+    model = build().float()
+    names = []
+    if mode != "bf16":
+        zrw.convert(model, args.recipe, release=(mode == "on"))
+        names = converted(model)
+        zrw.fsdp.prepare(model)
+    # A decoder layer's FSDP2 group gathers, besides its converted attention weights, its
+    # norms and router in BF16 (the experts have a group of their own, over EP).
+    attention = {f"self_attn.{n}_proj.weight" for n in "qkvo"}
+    other = sum(p.numel() for n, p in model.model.layers[0].named_parameters()
+                if n not in attention and not n.startswith("mlp.experts."))
+    model = zrw.parallel.apply_plan(model, DistributedConfig(
+        fsdp_size=args.world, ep_size=args.world, tp_size=1, ep_implementation="all_to_all",
+        fsdp_mixed_precision=True))
+    expert_placements = {n: (str(p.placements), type(p._local_tensor).__name__)
+                         for n, p in model.named_parameters() if ".experts." in n}
+    opt = zrw.optim.attach(torch.optim.AdamW(model.parameters(), lr=args.lr), fill="dequant")
+    rank = dist.get_rank()
+    data = batches(args)
+    losses, per_step = [], []
+    q0 = zrw.fsdp.stats()["shard_quantizations"]
+    with count_gathered_bytes() as counts:
+        for step in range(args.steps):
+            before = counts["bytes"]
+            for mb in range(args.micro_batches):
+                ids = data[step * args.micro_batches + mb][rank:rank + 1]
+                loss = model(input_ids=ids, labels=ids).loss / args.micro_batches
+                loss.backward()
+                t = loss.detach().clone()
+                dist.all_reduce(t)
+                losses.append(t.item() / args.world)
+            per_step.append(counts["bytes"] - before)
+            opt.step()
+            opt.zero_grad()
+    stats = zrw.cache.cache_stats()
+    return {"losses": losses, "per_step_bytes": per_step, "calls": counts["calls"],
+            "layer_other_bytes": 2 * other,
+            "converted": names,
+            "quantizations": zrw.fsdp.stats()["shard_quantizations"] - q0,
+            "cache_entries": stats["entries"], "restored_bytes": stats["restored_bytes"],
+            "expert_placements": expert_placements,
+            "weights": {n: p.full_tensor().detach().float()
+                        for n, p in model.named_parameters()}}
+
+
+def run_single(args):
+    """The unsharded zrw run on the global batch (the loss averages both sequences' tokens as
+    the ranks' mean does: equal token counts)."""
+    import zrw
+
+    model = build()
+    zrw.convert(model, args.recipe)
+    model = model.to(torch.bfloat16)
+    opt = zrw.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    data = batches(args)
+    for step in range(args.steps):
+        for mb in range(args.micro_batches):
+            ids = data[step * args.micro_batches + mb]
+            per_seq = [model(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss
+                       for r in range(args.world)]
+            loss = sum(per_seq) / args.world / args.micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, default=29555)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--recipe", default="mxfp8")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
+                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    out = {mode: run_sharded(args, mode) for mode in ("on", "off", "bf16")}
+    if args.rank == 0:
+        out["single_losses"] = run_single(args)
+        torch.save(out, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ranks.exit_after(main)
