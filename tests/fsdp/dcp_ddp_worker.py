@@ -12,16 +12,13 @@
 """
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_worker import Net  # noqa: E402
-import ranks  # noqa: E402  (exit_after)
-
+from helpers import ranks
+from helpers.fsdp_runs import Net
 
 # ---- DCP ---------------------------------------------------------------------------------------
 

@@ -5,51 +5,15 @@ MXFP8 all-gather, and writes what the test checks (losses, updated weights, gath
 all-gather bytes counted at the process group, shard quantization counts) to a JSON/pt file.
 """
 import argparse
+import contextlib
 import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-import ranks  # tests/fsdp/ranks.py: exit_after
-
-
-class Experts(nn.Module):
-    """A Hugging Face style fused-experts module (3-D gate_up_proj / down_proj, act_fn)."""
-
-    def __init__(self, e, h, i):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h ** -0.5)
-        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i ** -0.5)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, hidden, top_k_index, top_k_weights):  # BF16 reference path (unused)
-        raise NotImplementedError
-
-
-class Net(nn.Module):
-    def __init__(self, d, hidden, experts, moe):
-        super().__init__()
-        self.fc1 = nn.Linear(d, hidden, bias=True)
-        self.fc2 = nn.Linear(hidden, d, bias=False)
-        self.moe = moe
-        if moe:
-            self.router = nn.Linear(d, experts, bias=False)
-            self.experts = Experts(experts, d, hidden // 2)
-
-    def forward(self, x):
-        h = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-        if self.moe:
-            logits = self.router(h).float()
-            w, idx = torch.topk(logits.softmax(-1), 2, dim=-1)
-            h = h + self.experts(h.reshape(-1, h.shape[-1]), idx.reshape(-1, 2),
-                                 w.reshape(-1, 2).to(h.dtype)).reshape(h.shape)
-        return h
-
-
-import contextlib
+from helpers import ranks
+from helpers.fsdp_runs import build
 
 
 @contextlib.contextmanager
@@ -76,41 +40,6 @@ def count_gathered_bytes():
     finally:
         for meth, orig in saved.items():
             setattr(ProcessGroup, meth, orig)
-
-
-# Registered recipes that differ from the built-ins only in element dtype and scale rule: what
-# FSDP2's all-gather must keep (the layer's QuantRecipe, not its layout's built-in recipe).
-TEST_RECIPES = {"test-e5m2-rceil": (1, 1, 32), "test-e5m2-rceil-32x32": (1, 32, 32)}
-
-
-def register_test_recipes():
-    from zrw.config import (QuantRecipe, ScalingGranularity, ScalingGranularityEnum,
-                            known_recipes, recipe_register)
-
-    def mx(block):
-        return ScalingGranularity(ScalingGranularityEnum.MX, list(block))
-
-    for name, block in TEST_RECIPES.items():
-        if name in known_recipes():
-            continue
-        recipe_register(name)(lambda name=name, block=block: QuantRecipe(
-            name=name, weight_granularity=mx(block), act_granularity=mx((1, 1, 32)),
-            grad_granularity=mx((1, 1, 32)), elem_dtype=torch.float8_e5m2, scale_mode="rceil"))
-
-
-def build(args):
-    import zrw
-
-    register_test_recipes()
-    torch.manual_seed(0)
-    model = Net(args.d, args.hidden, args.experts, args.moe)
-    with torch.no_grad():
-        # FP32 masters that hold bf16-representable values: the single-process run starts from
-        # model.to(bf16), whose MasterWeights masters are exactly these.
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    zrw.convert(model, args.recipe, release=False, skip=("router",))
-    return model
 
 
 def batches(args):
@@ -147,10 +76,11 @@ def run_single(args):
 
 
 def run_fsdp(args):
-    import zrw
-    import zrw.fsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import zrw
+    import zrw.fsdp
 
     rank = dist.get_rank()
     model = build(args)

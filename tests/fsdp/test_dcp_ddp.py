@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import ranks  # tests/fsdp/ranks.py
+from helpers import ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_ddp_worker.py")
 pytestmark = pytest.mark.slow

@@ -4,8 +4,6 @@ Each case launches tests/fsdp/fsdp_worker.py twice (ranks 0 and 1) and compares 
 writes with the single-process zrw run on the same global batch and with FSDP2's plain BF16
 all-gather of the same model. Bytes are counted by the worker's own wrapper of the process
 group's all-gather (not by zrw)."""
-import os
-import random
 import subprocess
 import sys
 
@@ -13,55 +11,19 @@ import pytest
 import torch
 
 import zrw
+from helpers import ranks
+from helpers.fsdp_runs import (
+    WORKER,
+    assert_trains_like_bf16_gather_and_single_process,
+    initial_weight,
+    single,
+)
 
-import ranks
-
-WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 pytestmark = pytest.mark.slow
 
 
 def launch(tmp_path, *args, **kwargs):
     return ranks.launch(WORKER, tmp_path, *args, **kwargs)
-
-
-def single(tmp_path, *args):
-    out = str(tmp_path / f"s{random.randrange(1 << 30)}.pt")
-    r = subprocess.run([sys.executable, WORKER, "--mode", "single", "--out", out, *args],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(out)
-
-
-def initial_weight(name, args):
-    """The worker's initial full weight (same seed, same construction) in bf16."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    import fsdp_worker
-
-    ns = fsdp_worker.argparse.Namespace(d=128, hidden=256, experts=4, moe="--moe" in args,
-                                        recipe=args[args.index("--recipe") + 1])
-    model = fsdp_worker.build(ns)
-    return dict(model.named_parameters())[name].detach().to(torch.bfloat16)
-
-
-def assert_trains_like_bf16_gather_and_single_process(z, b, s, args):
-    """z (FP8 all-gather) against b (FSDP2's BF16 all-gather, quantized after the gather) and s
-    (the single-process run on the global batch)."""
-    # The FP8 gather changes nothing but bytes: bitwise the run that gathers BF16 and quantizes.
-    assert z["losses"] == b["losses"]
-    for n in z["weights"]:
-        assert torch.equal(z["weights"][n], b["weights"][n]), n
-    # ... and matches the single-process run on the global batch up to reduction order: each
-    # rank's wgrad leaves its GEMM (fp32 accumulation) rounded to the bf16 parameter dtype
-    # before FSDP's fp32 reduce-scatter, where the single process rounds the global sum once:
-    # a difference of bf16 rounding (2^-8 relative) in the gradients, nothing more. The first
-    # loss (before any update) differs only by the fp32 order of the loss's own reduction.
-    assert abs(z["losses"][0] - s["losses"][0]) <= 1e-6 * abs(s["losses"][0])
-    torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(s["losses"]),
-                               rtol=1e-2, atol=0)
-    for n, w in z["weights"].items():
-        moved = (s["weights"][n] - initial_weight(n, args).float()).abs().max()
-        diff = (w - s["weights"][n]).abs().max()
-        assert diff <= 0.05 * moved, (n, float(diff), float(moved))
 
 
 @pytest.mark.parametrize("recipe,limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])

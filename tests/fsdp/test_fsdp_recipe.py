@@ -6,40 +6,32 @@ does: bitwise with FSDP2's plain BF16 all-gather of the same model (whose layers
 gathered weight with their recipe), the gathered planes byte for byte with the single-process
 quantization of the full weight under the recipe, and the single-process run up to the order
 of the gradient reduction."""
-import os
-import sys
-
 import pytest
 import torch
 
 import zrw
+from helpers import fsdp_runs, ranks
 
-import ranks
-
-sys.path.insert(0, os.path.dirname(__file__))
-import fsdp_worker  # noqa: E402
-import test_fsdp  # noqa: E402
-
-WORKER = fsdp_worker.__file__
+WORKER = fsdp_runs.WORKER
 pytestmark = pytest.mark.slow  # three 2-rank launches per recipe: about 25 s each
 ARGS = ["--steps", "2", "--micro-batches", "1", "--opt", "sgd", "--lr", "0.5"]
 
 
-@pytest.mark.parametrize("recipe", list(fsdp_worker.TEST_RECIPES))
+@pytest.mark.parametrize("recipe", list(fsdp_runs.TEST_RECIPES))
 def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
-    fsdp_worker.register_test_recipes()
+    fsdp_runs.register_test_recipes()
     rcp = zrw.get_recipe(recipe)
     assert (rcp.elem_dtype, rcp.scale_mode) == (torch.float8_e5m2, "rceil")
     args = ["--recipe", recipe, *ARGS]
     z = ranks.launch(WORKER, tmp_path, *args, "--mode", "zrw")
     b = ranks.launch(WORKER, tmp_path, *args, "--mode", "bf16")
-    s = test_fsdp.single(tmp_path, *args)
+    s = fsdp_runs.single(tmp_path, *args)
 
     # The gathered planes are the recipe's quantization of the full weight, byte for byte (and
     # not the built-in e4m3/floor recipe's: the comparison can tell them apart).
     for name in ("fc1", "fc2"):
         got = z["planes"][name]
-        w = test_fsdp.initial_weight(f"{name}.weight", args)
+        w = fsdp_runs.initial_weight(f"{name}.weight", args)
         if rcp.block_32x32:
             data, block = zrw.ops.mx_quantize_block(w, rcp.elem_dtype, rcp.scale_mode)
             ref = {"fwd_data": data,
@@ -57,5 +49,5 @@ def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
 
     # Training: bitwise the FSDP2 run that gathers BF16 and quantizes with the layer's recipe,
     # and the single-process run with the same recipe up to the gradients' reduction order.
-    test_fsdp.assert_trains_like_bf16_gather_and_single_process(z, b, s, args)
+    fsdp_runs.assert_trains_like_bf16_gather_and_single_process(z, b, s, args)
     assert z["warnings"] == []

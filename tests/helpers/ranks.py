@@ -1,5 +1,6 @@
-"""Launching the 2-rank worker scripts of tests/fsdp (gloo on CPU): one process per rank, on a
-free loopback port, rank 0 writing its results to a file the test loads."""
+"""Launching the 2- and 4-rank worker scripts of the tests (gloo on CPU): one process per rank, on
+a free loopback port, rank 0 writing its results to a file the test loads. The workers import
+`helpers` through the PYTHONPATH they are given (helpers.child_env)."""
 import os
 import random
 import socket
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import torch
+
+from helpers import child_env
 
 
 def free_port() -> int:
@@ -22,7 +25,8 @@ def launch(worker, tmp_path, *args, world=2, expect_ok=True):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, worker, "--rank", str(r), "--world", str(world),
                                "--port", str(port), "--out", out, *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=child_env())
              for r in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     if not expect_ok:

@@ -10,7 +10,6 @@ full at once.
 """
 import copy
 import io
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,14 +20,21 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import zrw
+from helpers import child_env
+from helpers.models import (
+    BF16,
+    KINDS,
+    RECIPES,
+    assert_same_weights,
+    make_batches,
+    make_model,
+    setup,
+    train,
+    weights,
+)
 from zrw import cache, memory, testing
 from zrw.nn import MXLinear
 from zrw.optim import MasterWeights, attach, detach
-
-from test_models import (BF16, KINDS, RECIPES, assert_same_weights, make_batches, make_model,
-                         setup, train, weights)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def converted(model):
@@ -399,11 +405,10 @@ def test_leaving_the_mode_brings_bf16_weights_back_exactly(leave):
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     """A checkpoint taken mid-run (torch.save of model.state_dict() and the optimizer's) is
     loaded by a fresh process, which resumes bit for bit."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import sys, torch
         torch.set_num_threads(1)
-        sys.path.insert(0, {HERE!r})
-        from test_models import setup, train, make_batches, weights
+        from helpers.models import setup, train, make_batches, weights
         mode, path = sys.argv[1], sys.argv[2]
         batches = make_batches(5, 2, seed=12)
         if mode == "full":
@@ -412,19 +417,19 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
         elif mode == "first":
             model, opt, _ = setup("moe", "mxfp8")
             losses = train(model, opt, batches[:3])
-            torch.save({{"model": model.state_dict(), "optim": opt.state_dict()}}, path + ".ckpt")
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path + ".ckpt")
         else:
             model, opt, _ = setup("moe", "mxfp8", seed=123)  # another init: the load overwrites
             ckpt = torch.load(path + ".ckpt", weights_only=True)
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optim"])
             losses = train(model, opt, batches[3:])
-        torch.save({{"losses": losses, "weights": weights(model)}}, path + "." + mode)
+        torch.save({"losses": losses, "weights": weights(model)}, path + "." + mode)
     """)
     path = str(tmp_path / "run")
     for mode in ("full", "first", "resume"):
         r = subprocess.run([sys.executable, "-c", script, mode, path], capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=300, env=child_env())
         assert r.returncode == 0, r.stderr[-3000:]
     full = torch.load(path + ".full", weights_only=True)
     first = torch.load(path + ".first", weights_only=True)

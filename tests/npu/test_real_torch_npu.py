@@ -24,13 +24,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import test_adapter as cases
 import torch_npu_wheel
-import zrw
-from npu_standins import (E8M0_CODE, FP4_CODE, FP8_BY_CODE, OUT_DTYPE_BY_CODE, PINNED, SCHEMAS,
-                          StandIns, StandInError, as_meta, ignores_dst_type, signature)
+from npu_standins import (
+    E8M0_CODE,
+    FP4_CODE,
+    FP8_BY_CODE,
+    OUT_DTYPE_BY_CODE,
+    PINNED,
+    SCHEMAS,
+    StandInError,
+    StandIns,
+    as_meta,
+    ignores_dst_type,
+    signature,
+)
 from torch_npu_wheel import META_FILE, SCHEMA_FILE, VERSION
+
+import zrw
+from helpers import npu_cases as cases
 from zrw import reference as ref
 from zrw.backends import NPU_OPERATORS
 

@@ -7,55 +7,25 @@ opcheck (torch 2.13) compares tensors with tools that do not understand float8:
 * test_aot_dispatch_* compare eager and AOT outputs with ``torch.testing.assert_close``, which for
   float8 compares values with equal_nan=False: a 0xFF block (NaN scale byte, NaN elements) is never
   "close" to itself.
-Neither is a fault of the ops. ``fp8_aware_comparisons`` swaps both for FP8-aware versions for the
-duration of one opcheck call: float8 tensors (elements and E8M0 scales) are compared as their
-uint8 bytes with torch.equal — stricter than allclose, and exactly "was it mutated" / "same
-output" — and NaN in float outputs counts as equal to NaN. Every other comparison goes to the
-original functions unchanged, so opcheck runs all of its default tests.
+Neither is a fault of the ops. ``fp8_aware_comparisons`` (a fixture of tests/ops/conftest.py)
+swaps both for FP8-aware versions for the duration of one opcheck call: float8 tensors (elements
+and E8M0 scales) are compared as their uint8 bytes with torch.equal — stricter than allclose, and
+exactly "was it mutated" / "same output" — and NaN in float outputs counts as equal to NaN. Every
+other comparison goes to the original functions unchanged, so opcheck runs all of its default
+tests.
 """
 
 import math
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from helpers.quant import bytes_if_fp8, is_fp8
 from zrw import ops
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-E8M0 = torch.float8_e8m0fnu
-FP8_DTYPES = {E4M3, E5M2, E8M0, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
-
-
-def _is_fp8(t):
-    return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
-
-
-def _bytes_if_fp8(t):
-    return t.view(torch.uint8) if _is_fp8(t) else t
-
-
-@pytest.fixture
-def fp8_aware_comparisons(monkeypatch):
-    original_allclose = torch.allclose
-    original_assert_close = torch.testing.assert_close
-
-    def allclose(input, other, *args, **kwargs):
-        if _is_fp8(input) or _is_fp8(other):
-            return input.dtype == other.dtype and torch.equal(
-                _bytes_if_fp8(input), _bytes_if_fp8(other)
-            )
-        return original_allclose(input, other, *args, **kwargs)
-
-    def assert_close(actual, expected, *args, **kwargs):
-        actual, expected = pytree.tree_map(_bytes_if_fp8, (actual, expected))
-        kwargs.setdefault("equal_nan", True)
-        return original_assert_close(actual, expected, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", allclose)
-    monkeypatch.setattr(torch.testing, "assert_close", assert_close)
 
 
 def _weights():
@@ -118,7 +88,7 @@ def test_opcheck(case, fp8_aware_comparisons):
 
 def test_opcheck_without_fp8_workaround_fails_only_on_fp8_comparison():
     # Documents why the workaround exists: if torch learns to compare float8, this test fails and
-    # the fixture above can go.
+    # the fixture in conftest.py can go.
     xq, xs = ops.mx_quantize(torch.randn(4, 64), -1)
     result = torch.library.opcheck(
         torch.ops.zrw.mx_dequantize.default, (xq, xs, -1, torch.float32), raise_exception=False
@@ -159,7 +129,7 @@ def test_torch_compile_fullgraph_matches_eager():
         got = compiled(x)
         for g, e in zip(got, eager):
             assert g.dtype == e.dtype and g.shape == e.shape
-            if g.dtype.is_floating_point and not _is_fp8(g):
+            if g.dtype.is_floating_point and not is_fp8(g):
                 assert torch.equal(g.isnan(), e.isnan())
                 g, e = g.nan_to_num(0.0), e.nan_to_num(0.0)
-            assert torch.equal(_bytes_if_fp8(g), _bytes_if_fp8(e))
+            assert torch.equal(bytes_if_fp8(g), bytes_if_fp8(e))

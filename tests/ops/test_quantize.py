@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zlib
 
 import pytest
 import torch
@@ -23,6 +22,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from helpers.quant import (
+    ISA_REQUIREMENTS,
+    as_bytes,
+    assert_block_quantization_equal,
+    assert_same_quantization,
+    cpu_flags,
+    dtype_id,
+    nan_block_mask,
+    stable_seed,
+)
 from zrw import ops
 from zrw import reference as ref
 
@@ -40,67 +49,6 @@ FORMATS = [(e, m) for e in ELEM_DTYPES for m in SCALE_MODES]
 # Largest finite input exponent per dtype that keeps randn * 2^k finite (|randn| < 8 = 2^3).
 MAX_SHIFT = {torch.bfloat16: 40, torch.float16: 12, torch.float32: 40}
 MIN_SHIFT = {torch.bfloat16: -40, torch.float16: -12, torch.float32: -40}
-
-
-def as_bytes(t):
-    return t.view(torch.uint8)
-
-
-def stable_seed(*parts):
-    """A seed from the test's parameters that is the same in every run (hash() is salted)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-# ------------------------------------------------------------------------------------------------
-# comparison
-
-
-def nan_block_mask(scale, shape, dim):
-    """Elements (of a tensor of ``shape`` blocked along ``dim``) whose block has scale byte 0xFF."""
-    dim = dim % len(shape)
-    per_element = (as_bytes(scale) == NAN_BYTE).repeat_interleave(BLOCK, dim=dim)
-    return per_element.narrow(dim, 0, shape[dim])
-
-
-def assert_same_quantization(got, expected, dim, what=""):
-    """(data, scale) pairs equal byte for byte, except the elements of 0xFF blocks."""
-    got_data, got_scale = got
-    exp_data, exp_scale = expected
-    assert got_data.shape == exp_data.shape, what
-    assert got_data.dtype == exp_data.dtype, what
-    assert got_scale.shape == exp_scale.shape, what
-    assert got_scale.dtype == E8M0, what
-    assert got_data.is_contiguous() and got_scale.is_contiguous(), what
-    scale_equal = torch.equal(as_bytes(got_scale), as_bytes(exp_scale))
-    assert scale_equal, f"{what}: scale bytes differ at {_first_mismatches(got_scale, exp_scale)}"
-    mask = nan_block_mask(exp_scale, exp_data.shape, dim)
-    got_bytes = as_bytes(got_data).masked_fill(mask, 0)
-    exp_bytes = as_bytes(exp_data).masked_fill(mask, 0)
-    assert torch.equal(got_bytes, exp_bytes), (
-        f"{what}: element bytes differ at {_first_mismatches(got_bytes, exp_bytes)}"
-    )
-
-
-def _first_mismatches(a, b, count=5):
-    a, b = a.view(torch.uint8), b.view(torch.uint8)
-    where = (a != b).nonzero()[:count]
-    return [(tuple(i.tolist()), a[tuple(i)].item(), b[tuple(i)].item()) for i in where]
-
-
-def assert_block_quantization_equal(got, expected, shape, what=""):
-    """(data, block_scale) pairs equal byte for byte, except the elements of 0xFF tiles."""
-    got_data, got_scale = got
-    exp_data, exp_scale = expected
-    assert got_scale.shape == exp_scale.shape and got_scale.dtype == E8M0, what
-    assert torch.equal(as_bytes(got_scale), as_bytes(exp_scale)), (
-        f"{what}: block scale bytes differ at {_first_mismatches(got_scale, exp_scale)}"
-    )
-    fwd_scale = ref.expand_block_scale(exp_scale, shape, -1)
-    assert_same_quantization((got_data, fwd_scale), (exp_data, fwd_scale), -1, what)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -740,23 +688,6 @@ def test_fp32_fp16_rounding_sticky_bits_and_subnormals(src_dtype, elem_dtype, sc
 # every CPU kernel build (ZRW_CPU_ISA), each in its own process
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-ISA_REQUIREMENTS = {
-    "base": set(),
-    "avx2": {"avx2", "fma"},
-    "avx512": {"avx512f", "avx512bw", "avx512vl"},
-}
-
 # Compared in the child: several shapes (aligned, unaligned, K past the kernel's 512-column
 # chunk), every input dtype, element format and scale mode, the three quantize ops, on inputs
 # with a wide exponent range, amax mantissas above 1.75, ties, subnormals and specials.
@@ -865,7 +796,7 @@ def isa_children():
     """Every child process of the ZRW_CPU_ISA tests, started when this module's first test runs
     so that they work in the background (each pays a torch import) while the other tests run;
     the tests at the end of the module collect them. {(kind, isa): Popen}."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     children = {}
     for isa, need in ISA_REQUIREMENTS.items():
         if need <= flags:
@@ -889,7 +820,7 @@ def _result(children, key):
 @pytest.mark.parametrize("isa", list(ISA_REQUIREMENTS))
 def test_every_cpu_kernel_build_matches_reference(isa, isa_children):
     if ("compare", isa) not in isa_children:
-        missing = ISA_REQUIREMENTS[isa] - _cpu_flags()
+        missing = ISA_REQUIREMENTS[isa] - cpu_flags()
         pytest.skip(f"this CPU lacks {sorted(missing)} for ZRW_CPU_ISA={isa}")
     returncode, stdout, stderr = _result(isa_children, ("compare", isa))
     assert returncode == 0, stdout + stderr

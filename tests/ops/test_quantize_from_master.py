@@ -25,12 +25,18 @@ import pytest
 import torch
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from helpers import child_env
+from helpers.quant import (
+    ISA_REQUIREMENTS,
+    as_bytes,
+    assert_block_quantization_equal,
+    assert_same_quantization,
+    cpu_flags,
+    dtype_id,
+    stable_seed,
+)
 from zrw import ops
 from zrw import reference as ref
-
-from test_opcheck import fp8_aware_comparisons  # noqa: F401  (a fixture)
-from test_quantize import (ISA_REQUIREMENTS, _cpu_flags, as_bytes, assert_block_quantization_equal,
-                           assert_same_quantization, dtype_id, stable_seed)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -367,7 +373,7 @@ def test_matches_torchao_on_the_rounded_parameter():
     # torchao's to_mx on master.to(bf16) as an independent oracle, on the blocks where torchao
     # follows the spec (test_reference_torchao.py lists its departures).
     pytest.importorskip("torchao")
-    import test_reference_torchao as ao
+    from helpers import torchao_oracle as ao
 
     gen = torch.Generator().manual_seed(8)
     bf16_grid = ao.hard_input(64, 128, torch.float32, seed=9)
@@ -392,10 +398,9 @@ def test_matches_torchao_on_the_rounded_parameter():
 ISA_SCRIPT = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, sys.argv[1])
     import torch
     import zrw
-    import test_quantize_from_master as t
+    import test_quantize_from_master as t  # this file, on the PYTHONPATH the parent passes
 
     failures = []
     for kind in t.KINDS:
@@ -417,13 +422,13 @@ ISA_SCRIPT = textwrap.dedent(
 def isa_children():
     """One child per ISA this CPU runs, started when the module's first test runs so that they
     work while the other tests do; collected by the test at the end. {isa: Popen}."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     children = {}
     here = os.path.dirname(os.path.abspath(__file__))
     for isa, need in ISA_REQUIREMENTS.items():
         if need <= flags:
             children[isa] = subprocess.Popen(
-                [sys.executable, "-c", ISA_SCRIPT, here], env=dict(os.environ, ZRW_CPU_ISA=isa),
+                [sys.executable, "-c", ISA_SCRIPT], env=child_env(here, ZRW_CPU_ISA=isa),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield children
     for child in children.values():
@@ -435,7 +440,7 @@ def isa_children():
 @pytest.mark.parametrize("isa", list(ISA_REQUIREMENTS))
 def test_every_cpu_kernel_build_quantizes_masters_as_their_parameters(isa, isa_children):
     if isa not in isa_children:
-        missing = ISA_REQUIREMENTS[isa] - _cpu_flags()
+        missing = ISA_REQUIREMENTS[isa] - cpu_flags()
         pytest.skip(f"this CPU lacks {sorted(missing)} for ZRW_CPU_ISA={isa}")
     stdout, stderr = isa_children[isa].communicate(timeout=600)
     assert isa_children[isa].returncode == 0, stdout + stderr
@@ -469,7 +474,7 @@ OPCHECK_CASES = _opcheck_cases()
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=[f"{n}-{t}" for t, n, _ in OPCHECK_CASES])
-def test_opcheck(case, fp8_aware_comparisons):  # noqa: F811
+def test_opcheck(case, fp8_aware_comparisons):
     _, name, args = case
     result = torch.library.opcheck(getattr(torch.ops.zrw, name).default, args)
     assert set(result.values()) == {"SUCCESS"}, result

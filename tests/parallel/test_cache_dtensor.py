@@ -2,14 +2,12 @@
 local shard, the tensor the cache holds for it: the same entry, state, name, master and restore
 as the layers and zrw.parallel use. Before, they silently worked on the DTensor wrapper (state 0,
 no entry). One gloo rank on a 1-d mesh, in a child process (a process group is process-wide)."""
-import os
 import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
-import ranks  # noqa: E402  (tests/fsdp/ranks.py: a free loopback port)
+from helpers import ranks
 
 SCRIPT = r"""
 import os, sys

@@ -15,13 +15,11 @@ transformers' own engine (tp_plan, ep_plan) and train 3 steps x 2 micro-batches.
   * misuse is refused with errors that name the weight and the fix.
 """
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
-import ranks  # noqa: E402  (tests/fsdp/ranks.py: one process per rank on a free port)
+from helpers import ranks
 
 pytest.importorskip("transformers")
 

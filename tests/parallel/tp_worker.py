@@ -26,9 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(TESTS, "fsdp"))
-import ranks  # noqa: E402  (tests/fsdp/ranks.py: exit_after)
+from helpers import ranks
 
 VOCAB = 128
 LR = 1e-2  # AdamW
