@@ -121,9 +121,10 @@ def run_fsdp(args):
         states[name] = w._zrw_state
         if name in first_planes:
             return
-        planes = w._zrw_state["planes"]
-        first_planes[name] = {k: (None if v is None else v.view(torch.uint8).clone())
-                              for k, v in planes.items()}
+        q = w._zrw_state["planes"]  # the gathered zrw.planes.MXWeight
+        first_planes[name] = {f"{d}_{k}": (None if v is None else v.view(torch.uint8).clone())
+                              for d, plane in (("fwd", q.fwd), ("bwd", q.bwd))
+                              for k, v in (("data", plane.data), ("scale", plane.scale))}
 
     for name, mod in model.named_modules():
         if isinstance(mod, (zrw.nn.MXLinear, zrw.nn.MXFusedExperts)):
@@ -145,8 +146,7 @@ def run_fsdp(args):
             opt.step()
             opt.zero_grad()
     quantizations = zrw.fsdp.stats()["shard_quantizations"] - q0
-    resident = {name: sum(v.untyped_storage().nbytes() for v in st["planes"].values()
-                          if v is not None)
+    resident = {name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
                 for name, st in states.items()}
     full = {}
     for n, p in model.named_parameters():

@@ -12,7 +12,7 @@ from torch import nn
 import zrw
 import zrw.fsdp
 from zrw.fsdp import MXGatheredWeight, PreQuantWeight
-from zrw.planes import MXPlanesCarrier
+from zrw.planes import MXPlane, MXPlanesCarrier, MXWeight
 
 PKG = pathlib.Path(zrw.__file__).parent
 
@@ -99,7 +99,9 @@ def test_the_shard_quantization_uses_the_recipe():
     recipe = _e5m2_rceil()
     w = torch.randn(64, 96)
     pq = PreQuantWeight(w, recipe, "w")
-    data, block = pq._quantized_shard(torch.bfloat16)
+    q = pq._quantized_shard(torch.bfloat16)
+    assert q.recipe == "mxfp8-32x32" and q.fwd.data is q.bwd.data
+    data, block = q.fwd.data, q.block_scale
     ref_data, ref_block = zrw.ops.mx_quantize_block(w.to(torch.bfloat16), torch.float8_e5m2,
                                                     "rceil")
     assert data.dtype == torch.float8_e5m2
@@ -113,9 +115,10 @@ def test_the_gathered_weight_is_a_planes_carrier():
                          "layer.weight")
     assert isinstance(g, MXPlanesCarrier) and g.zrw_name == "layer.weight"
     data, block = zrw.ops.mx_quantize_block(torch.randn(64, 96), torch.float8_e5m2, "rceil")
-    g._set_planes({"fwd_data": data, "bwd_data": data,
-                   "fwd_scale": zrw.ops.expand_block_scale(block, (64, 96), -1),
-                   "bwd_scale": zrw.ops.expand_block_scale(block, (64, 96), -2)}, "block")
+    g._set_planes(MXWeight("mxfp8-32x32",
+                           MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -1)),
+                           MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -2))),
+                  "block")
     q = g.mx_weight("fwd")
     assert q.recipe == "mxfp8-32x32" and q.fwd.data is data
 

@@ -39,8 +39,8 @@ got = cache.quant_and_release(w, recipe)
 for pw, pg in ((want.fwd, got.fwd), (want.bwd, got.bwd)):
     for a, b in zip(pw, pg):  # data and scale, byte for byte
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-assert cache.cache_state(w) == cache.cache_state(local) == 2 and cache.is_released(w)
-assert cache.cache_states([w, plain]) == [2, 1]
+assert cache.cache_state(w) == cache.cache_state(local) == "released" and cache.is_released(w)
+assert cache.cache_states([w, plain]) == ["released", "cached"]
 again = cache.quant_and_release(w, recipe)
 assert again.fwd.data.data_ptr() == got.fwd.data.data_ptr()  # the cached copy
 try:
@@ -54,22 +54,22 @@ master = dtensor(full, requires_grad=False)
 cache.register_master(w, master)
 assert cache.master_of(w) is master._local_tensor
 cache.restore(w, "master")
-assert cache.cache_state(w) == 0 and torch.equal(w.to_local(), full.bfloat16())
+assert cache.cache_state(w) == "none" and torch.equal(w.to_local(), full.bfloat16())
 
 # the BF16-free write-back with a DTensor source; restore from the entry's master
 cache.quant_and_release(w, recipe)
 src = dtensor(full * 2, requires_grad=False)
 assert cache.assign_weights([w], [src], keep_released=True) == 1
-assert cache.cache_state(w) == 2 and cache.cache_master(w) is src._local_tensor
-assert cache.cache_invalidate(w, "dequant") and cache.cache_state(w) == 0
+assert cache.cache_state(w) == "released" and cache.cache_master(w) is src._local_tensor
+assert cache.cache_invalidate(w, "dequant") and cache.cache_state(w) == "none"
 assert torch.equal(w.to_local(), (full * 2).bfloat16())
 
 # a frozen DTensor weight is released for good only with release_frozen
 f = dtensor(full.bfloat16(), requires_grad=False)
 cache.quant_and_release(f, recipe)
-assert cache.cache_state(f) == 0  # kept frozen weights are quantized at each use, never filed
+assert cache.cache_state(f) == "none"  # kept frozen weights are quantized at each use, never filed
 cache.quant_and_release(f, recipe, release_frozen=True)
-assert cache.cache_state(f) == 3
+assert cache.cache_state(f) == "released_for_good"
 cache.cache_clear()
 
 # copy.deepcopy of a TP layer between BF16-free steps: the copy's weight is a DTensor holding
@@ -87,7 +87,7 @@ opt.zero_grad()
 assert cache.is_released(model[0].weight)
 twin = copy.deepcopy(model)
 tw = twin[0].weight
-assert type(tw.data).__name__ == "DTensor" and cache.cache_state(tw) == 0
+assert type(tw.data).__name__ == "DTensor" and cache.cache_state(tw) == "none"
 assert torch.equal(tw.to_local(), model.state_dict()["0.weight"].to_local())
 assert torch.equal(tw.to_local(), opt.masters[0][0].to_local().bfloat16())
 assert cache.is_released(model[0].weight)
