@@ -12,8 +12,7 @@ import gc
 import pytest
 import torch
 
-from zrw import ops
-from zrw import cache
+from zrw import cache, ops
 
 
 @pytest.fixture(autouse=True)

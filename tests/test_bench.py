@@ -47,7 +47,8 @@ def test_bench_quant_json():
                                              for k in ("dual", "block", "single_dim_-1")}
     assert r["cpu_isa"] in ("avx512", "avx2", "base")
     # Which GEMM mx_matmul ran: the process's path (bf16 where the CPU has native BF16).
-    assert r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32") or "ZRW_CPU_GEMM" in os.environ
+    assert (r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32")
+            or "ZRW_CPU_GEMM" in os.environ)
     assert r["mx_matmul_gemm_ran"] and set(r["mx_matmul_gemm_ran"]) <= {"fp32", "bf16",
                                                                        "bf16_to_fp32"}
     # glibc here: the warm-heap setting applies and the fresh-pages timing exists

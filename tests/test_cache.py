@@ -16,12 +16,11 @@ import threading
 
 import pytest
 import torch
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
 
 import zrw
 from zrw import cache, ops
 from zrw.optim import MasterWeights
-
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
 
 zrw.memory.install()
 

@@ -9,12 +9,11 @@ import copy
 
 import pytest
 import torch
+from mx_test_layer import BF16, MXLinearFn, clean_cache, same_bits, value  # noqa: F401
 from torch.optim import lr_scheduler
 
 from zrw import cache
 from zrw.optim import MasterWeights, attach
-
-from mx_test_layer import BF16, MXLinearFn, clean_cache, same_bits, value  # noqa: F401
 
 SHAPES = [(64, 32), (32, 64)]
 

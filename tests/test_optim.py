@@ -9,12 +9,10 @@ import io
 
 import pytest
 import torch
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 import zrw
-from zrw import ops
-from zrw import cache
-
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
+from zrw import cache, ops
 from zrw.optim import MasterWeights, attach, detach
 
 zrw.memory.install()

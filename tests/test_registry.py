@@ -133,7 +133,6 @@ def test_wrapper_and_reference_take_the_schema_arguments(name):
 def test_the_design_cards_entry_points_are_in_zrw_ops():
     """DESIGN.md §4: `zrw.ops.quant_and_release(w)` is the call a custom layer makes, with the
     restore calls next to it; they are zrw.cache's functions themselves (one implementation)."""
-    import zrw
 
     for name in ("quant_and_release", "restore", "restore_all"):
         assert getattr(zrw.ops, name) is getattr(zrw.cache, name), name

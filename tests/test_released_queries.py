@@ -21,12 +21,11 @@ import weakref
 
 import pytest
 import torch
+from mx_test_layer import BF16, clean_cache  # noqa: F401
 
 import zrw
 from zrw import cache
 from zrw.optim import MasterWeights
-
-from mx_test_layer import BF16, clean_cache  # noqa: F401
 
 NAME = "0.weight"
 POISON = "zrw: the BF16 storage of weight '{}' is released"
@@ -54,8 +53,8 @@ v = torch.nn.Parameter(torch.randn(64, 64))
 cache.quant_and_release(v, name="v")
 f = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16), requires_grad=False)
 cache.quant_and_release(f, name="f", release_frozen=True)
-assert [cache.cache_state(t) for t in (w, v, f)] == ["released", "released", "released_for_good"], \\
-    [cache.cache_state(t) for t in (w, v, f)]
+states = [cache.cache_state(t) for t in (w, v, f)]
+assert states == ["released", "released", "released_for_good"], states
 """
 
 _RUN = """

@@ -12,13 +12,12 @@ import threading
 
 import pytest
 import torch
+from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 import zrw
 import zrw.testing
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
-
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 zrw.memory.install()
 
@@ -195,7 +194,8 @@ def test_assign_weights_fault_keeps_the_weight_restorable(after):
     for w in ws:
         cache.quant_and_release(w)
     with zrw.testing.fail_allocations(min_bytes=4096, after=after):
-        with pytest.raises(torch.OutOfMemoryError, match="1 weight could not be written; each is left as it was"):
+        with pytest.raises(torch.OutOfMemoryError,
+                           match="1 weight could not be written; each is left as it was"):
             cache.assign_weights(ws, masters)
     released = [cache.is_released(w) for w in ws]
     assert released == [i == after for i in range(len(ws))]
@@ -384,7 +384,8 @@ def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_int
                                 torch.nn.Linear(64, 32, dtype=BF16))
     zrw.convert(model, recipe, skip=())
     # An optimizer with the boundary and no masters owns the weights (mid-step: no master).
-    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1), fill="dequant")
+    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1),  # noqa: F841 (held)
+                           fill="dequant")
     path = tmp_path / "ckpt.pt"
     torch.save(model.state_dict(), path)
     old = path.read_bytes()

@@ -309,8 +309,10 @@ def test_a_failed_load_changes_nothing(bad):
         opt.zero_grad()
         before = snapshot(model)
         sd = {k: v + 1 for k, v in before.items()}
-        key = {"shape": "norm.bias", "not_a_tensor": "up.weight", "scalar_shape": "head.weight"}[bad]
-        sd[key] = {"shape": torch.zeros(3), "not_a_tensor": "x", "scalar_shape": torch.zeros(())}[bad]
+        key = {"shape": "norm.bias", "not_a_tensor": "up.weight",
+               "scalar_shape": "head.weight"}[bad]
+        sd[key] = {"shape": torch.zeros(3), "not_a_tensor": "x",
+                   "scalar_shape": torch.zeros(())}[bad]
         with pytest.raises(RuntimeError, match=rf"{key}.*|.*{key}"):
             model.load_state_dict(sd)
         after = snapshot(model)

@@ -23,10 +23,11 @@ from helpers.fsdp_runs import Net
 # ---- DCP ---------------------------------------------------------------------------------------
 
 def build_fsdp(args, seed=0):
-    import zrw
-    import zrw.fsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import zrw
+    import zrw.fsdp
 
     torch.manual_seed(seed)
     model = Net(args.d, args.hidden, 4, False)
@@ -69,10 +70,12 @@ def train(model, opt, args, data, steps):
 
 def run_dcp(args):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     data = dcp_batches(args)
     model, opt = build_fsdp(args)
@@ -123,8 +126,9 @@ def run_dcp_all(args):
 
 
 def run_ddp(args):
-    import zrw
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zrw
 
     rank = dist.get_rank()
     torch.manual_seed(0)

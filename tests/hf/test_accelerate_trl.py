@@ -9,6 +9,7 @@ accelerate = pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 
 import hf_models  # noqa: E402
+
 import zrw  # noqa: E402
 from zrw import cache  # noqa: E402
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 peft = pytest.importorskip("peft")
+from hf_models import tiny_qwen3  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 import zrw  # noqa: E402
-from hf_models import tiny_qwen3  # noqa: E402
 from zrw import cache  # noqa: E402
 from zrw.nn import MXLinear  # noqa: E402
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from hf_models import tiny_qwen3  # noqa: E402
 from transformers import Qwen3ForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import zrw  # noqa: E402
-from hf_models import tiny_qwen3  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -8,7 +8,6 @@ and it keeps each test's arithmetic on one fixed thread count.
 import pytest
 import torch
 
-from zrw import ops
 from zrw import cache
 
 

@@ -334,7 +334,8 @@ def test_load_state_dict_into_a_frozen_weight_released_for_good(recipe):
     fresh.load_state_dict(new)
     out, want = model(x), fresh(x)  # a training-mode use (under no_grad nothing is released)
     assert torch.equal(out, want)
-    assert cache.cache_state(model[0].weight) == "released_for_good"  # released again by its next use
+    # released again by its next use
+    assert cache.cache_state(model[0].weight) == "released_for_good"
     del opt
     cache.cache_clear()
 

@@ -293,7 +293,8 @@ def test_saving_released_weights_raises_zrw_error(kind):
 
     model = make_model(kind)
     summary = zrw.convert(model, "mxfp8")
-    opt = zrw.optim.attach(torch.optim.AdamW(model.parameters()), fill="dequant")
+    # held: the boundary owns the weights only while the optimizer lives
+    opt = zrw.optim.attach(torch.optim.AdamW(model.parameters()), fill="dequant")  # noqa: F841
     model(input_ids=ids, labels=ids).loss.backward()
     assert cache.cache_stats()["released_bytes"] == summary.release_bytes
     with pytest.raises(RuntimeError,
@@ -455,7 +456,8 @@ def test_weight_names_survive_deepcopy_and_pickling(kind):
     torch.save(model, buf)
     buf.seek(0)
     for copied in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
-        got = {n: cache.weight_name(p) for n, p in copied.named_parameters() if cache.weight_name(p)}
+        got = {n: cache.weight_name(p) for n, p in copied.named_parameters()
+               if cache.weight_name(p)}
         assert got == names
 
 

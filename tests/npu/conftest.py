@@ -5,11 +5,11 @@ The adapter's kernels are reached on CPU through the test-only mirror namespace
 which the test library libzrw_npu_test_ops defines, not zrw._C (npu_test_ops.py loads it).
 """
 
-import pytest
-
 import npu_test_ops
-import zrw  # noqa: F401  (loads zrw._C: the zrw ops)
+import pytest
 from npu_standins import PINNED, SCHEMAS, StandIns
+
+import zrw  # noqa: F401  (loads zrw._C: the zrw ops)
 
 VARIANTS = (PINNED, "26.0.0")
 

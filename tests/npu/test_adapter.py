@@ -394,7 +394,8 @@ import torch, zrw
 
 def registered():
     names = torch._C._dispatch_get_all_op_names()
-    return {n: torch._C._dispatch_dump(n) for n in names if n.split("::")[0] in ("zrw", "zrw_npu_test")}
+    return {n: torch._C._dispatch_dump(n) for n in names
+            if n.split("::")[0] in ("zrw", "zrw_npu_test")}
 
 before = registered()
 torch.ops.load_library(sys.argv[1])

@@ -3,10 +3,10 @@
 import re
 from pathlib import Path
 
-import zrw
 import pytest
-
 from npu_standins import PINNED, SCHEMAS, StandIns, torch_npu_loaded
+
+import zrw
 from zrw.backends import MX_OPS, NPU_OPERATORS
 
 

@@ -12,9 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import npu_test_ops
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 

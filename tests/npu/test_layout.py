@@ -6,10 +6,9 @@ padded with byte 0x00. Checked three ways: element by element against that defin
 golden-style Python of the stand-ins, and as round trips to the canonical float8_e8m0fnu scale.
 """
 
+import npu_test_ops
 import pytest
 import torch
-
-import npu_test_ops
 from npu_standins import golden_pair, golden_unpair
 
 E8M0 = torch.float8_e8m0fnu

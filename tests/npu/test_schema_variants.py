@@ -9,9 +9,16 @@ variants: a missing operator, a missing or retyped argument, or an operator that
 
 import pytest
 import torch
+from npu_standins import (
+    FP4_CODE,
+    PINNED,
+    SCHEMAS,
+    StandInError,
+    StandIns,
+    golden_pair,
+    ignores_dst_type,
+)
 
-from npu_standins import (FP4_CODE, PINNED, SCHEMAS, StandIns, StandInError, golden_pair,
-                           ignores_dst_type)
 from zrw import reference as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

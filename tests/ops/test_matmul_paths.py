@@ -44,7 +44,8 @@ for elem in (E4M3, E5M2):
     for a_t in (False, True):
         for b_t in (False, True):
             for (m, n, k) in ((48, 40, 113), (64, 96, 256)):
-                cases.append((f"{elem}-{a_t}-{b_t}-{m}x{n}x{k}", elem, a_t, b_t, m, n, k, 1.0, 1.0, ()))
+                cases.append((f"{elem}-{a_t}-{b_t}-{m}x{n}x{k}", elem, a_t, b_t, m, n, k, 1.0,
+                              1.0, ()))
 # An all-zero row (a masked token's gradient): zero blocks do not force the FP32 GEMM.
 cases.append(("zero-blocks", E4M3, False, False, 64, 64, 128, 1.0, 1.0, (3, 17)))
 # Extremes of the e8m0 range: values whose bf16 form would be subnormal, products that would
@@ -62,7 +63,8 @@ for name, elem, a_t, b_t, m, n, k, sa_, sb_, zr in cases:
         counts = zrw.testing.gemm_counts()
         ran = [key for key, v in counts.items() if v]
         ref = (ops.mx_dequantize(qa.contiguous(), sa.contiguous(), -1, torch.float32).double()
-               @ ops.mx_dequantize(qb.contiguous(), sb.contiguous(), -1, torch.float32).double().t())
+               @ ops.mx_dequantize(qb.contiguous(), sb.contiguous(), -1,
+                                   torch.float32).double().t())
         results[(name, str(out))] = (y, ran, ref)
 torch.save({"gemm": zrw._C.cpu_gemm(), "results": results}, sys.argv[1])
 """

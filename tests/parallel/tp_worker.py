@@ -80,8 +80,11 @@ def batches(steps, micro, seed=1):
 
 def torch_tp(model, world, kind):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     plan = {}
@@ -110,8 +113,9 @@ def _sum_over_ranks(grad):
 
 
 def hf_plan(model, tp, ep):
-    import zrw
     from transformers.distributed import DistributedConfig
+
+    import zrw
 
     kw = {"tp_size": tp}
     if ep > 1:
