@@ -17,12 +17,13 @@
 // * blocks along rows only (mx_quantize along the contiguous axis): the rows are streamed in
 //   order, 32 blocks (1024 elements, 2 KiB of bf16) at a time: the hardware prefetchers see
 //   one stream per thread.
-// * blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows, 64 columns at a time
-//   (two blocks per row: a 64-byte output line per row and plane). The group (4 KiB of bf16)
-//   is read from memory once, its amaxes computed, and encoded from L1 right after; both
-//   planes of the dual quantization come from that one read, the plane whose blocks run down
-//   the columns in its final layout (no strided second pass). Each of the 32 row streams is
-//   prefetched a few groups ahead.
+// * blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows, in chunks of up to
+//   2048 columns (128 KiB of bf16, held in L2). Pass 1 reads the chunk row by row (each row
+//   segment one sequential 4 KiB stream, the next row prefetched meanwhile) and computes the
+//   row blocks' amaxes and the columns' running amaxes; pass 2 encodes it from L2, 64 columns
+//   x 32 rows at a time (a 64-byte output line per row and plane). Both planes of the dual
+//   quantization come from that one read, the plane whose blocks run down the columns in its
+//   final layout (no strided second pass).
 // * Data planes are written with non-temporal stores (full 64-byte lines) when they are large
 //   (they would only evict the input from the caches) and aligned; scales with plain stores.
 #pragma once
@@ -38,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include "../common/mx_format.h"
@@ -225,7 +227,7 @@ inline void store_row(uint8_t* out, const __m512i* c, int last, const __mmask32*
   if (!any_bad) return;
   for (int b = 0; b < NB; ++b) {
     if (!bad[b]) continue;
-    encode_run_exact<F>(x + 32 * b, b == NB - 1 ? last : 32, bytes[b * byte_stride],
+    encode_run_exact<F>(x + 32 * b, b == NB - 1 ? last : 32, bytes ? bytes[b * byte_stride] : 0,
                         col_bytes ? col_bytes + 32 * b : nullptr, out + 32 * b);
   }
 }
@@ -269,8 +271,8 @@ inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-// Per-thread scratch: a group's bf16 elements (staged fp32 masters; also read by the exact
-// path) and scale bytes.
+// Per-thread scratch of the row-only path: a group's bf16 elements (staged fp32 masters; also
+// read by the exact path) and scale bytes.
 struct Scratch {
   alignas(64) uint16_t stage[32][64];
   alignas(64) uint16_t col_byte16[64];
@@ -376,147 +378,217 @@ inline void row_blocks_group(const T* src, int nvec, int last, ScaleMode mode, u
 }
 
 // ---- strips: blocks down the columns, 32x32 tiles, dual-axis --------------------------------
-// One group: rows [0, nrows) of a strip (row stride ld) and NB (1 or 2) blocks of columns, the
-// last with `last` columns. BK: blocks along rows or 32x32 tiles (or none); COL: blocks down
-// the columns. EDGE: fewer than 32 rows or a partial last block (FULL groups have compile-time
-// shapes). Outputs at the group's first element (row stride ld); scales at the group's entries
-// (row scale: row stride KB; tile scale; col scale: one row).
-template <ElemFormat F, BlockKind BK, bool COL, int NB, bool EDGE, typename T>
-inline void strip_group(const T* src, int64_t ld, int nrows, int last, ScaleMode mode,
-                        uint8_t* blk_data, uint8_t* blk_scale, int64_t KB, uint8_t* col_data,
-                        uint8_t* col_scale, bool nt, int64_t pf, Scratch& s) {
+// A strip of 32 rows is quantized in chunks of up to kChunkCols columns. Pass 1 reads the chunk
+// row by row, each row segment one sequential stream (4 KiB of bf16: what the memory system
+// serves best), and computes the row blocks' amaxes (the reduction tree over 32 consecutive
+// blocks) and the columns' running amaxes; FP32 masters are rounded to bf16 into a stage buffer
+// on the way. Pass 2 encodes the chunk from L2, 64 columns x 32 rows at a time, both planes
+// from one load.
+constexpr int kChunkCols = 2048;
+constexpr int kChunkBlocks = kChunkCols / 32;
+
+struct StripScratch {
+  alignas(64) uint16_t stage[32 * kChunkCols];  // FP32 masters: the chunk rounded to bf16
+  alignas(64) uint16_t col_key[kChunkCols];
+  alignas(64) int16_t col_off[kChunkCols];
+  alignas(64) uint8_t col_byte[kChunkCols];
+  alignas(64) int16_t row_off[32][kChunkBlocks];
+  alignas(64) uint8_t row_byte[32][kChunkBlocks];
+};
+
+// Pass 1 over one row segment: `nblk` blocks (the last with `last` elements) at p. Row block
+// scale bytes go to scale (one per block) and s.row_byte/row_off[r]; column keys are maxed into
+// s.col_key; staged elements (FP32 masters) into stage. Returns whether a row block is NaN/Inf.
+template <ElemFormat F, bool ROW, bool COLKEYS, bool FULL, typename T>
+inline bool row_segment(const T* p, int nblk, int last, ScaleMode mode, uint8_t* scale,
+                        int16_t* row_off, uint8_t* row_byte, uint16_t* col_key, uint16_t* stage,
+                        int64_t pf) {
   constexpr bool kStage = !std::is_same_v<T, uint16_t>;
-  constexpr bool kRowTree = BK == BlockKind::Row;
-  constexpr bool kColKeys = COL || BK == BlockKind::Tile;
-  if constexpr (!EDGE) {
-    nrows = 32;
+  if constexpr (FULL) {
+    nblk = 32;
     last = 32;
   }
   const __m512i key_mask = set16(0x7FFF);
-  __m512i colmax[NB];
-#pragma GCC unroll 2
-  for (int b = 0; b < NB; ++b) colmax[b] = _mm512_setzero_si512();
-  __m512i t8[NB][4];
-  // Pass 1: keys (rows 8 at a time through the tree's first three levels).
+  __m512i t8[4];
 #pragma GCC unroll 4
   for (int g = 0; g < 4; ++g) {
-    __m512i v[NB][8];
+    __m512i v[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const int r = 8 * g + i;
-      if (!EDGE || r < nrows) {
-        const T* row = src + r * ld;
-        if (pf) {
-          // The group's lines of this row, pf elements ahead.
-          constexpr int kStep = 64 / sizeof(T);
-#pragma GCC unroll 4
-          for (int j = 0; j < NB * 32; j += kStep) prefetch(row + pf + j);
-        }
+    for (int j = 0; j < 8; ++j) {
+      const int i = 8 * g + j;
+      if (FULL || i < nblk) {
+        if (FULL && pf) {
 #pragma GCC unroll 2
-        for (int b = 0; b < NB; ++b) {
-          const __m512i x = load_bf16(row + 32 * b, !EDGE || b != NB - 1 ? 32 : last);
-          if constexpr (kStage) _mm512_store_si512(&s.stage[r][32 * b], x);
-          v[b][i] = _mm512_and_si512(x, key_mask);
-          if constexpr (kColKeys) colmax[b] = _mm512_max_epu16(colmax[b], v[b][i]);
+          for (int q = 0; q < 32; q += 64 / static_cast<int>(sizeof(T))) {
+            prefetch(p + 32 * i + q + pf);
+          }
+        }
+        const __m512i x = load_bf16(p + 32 * i, FULL || i != nblk - 1 ? 32 : last);
+        if constexpr (kStage) _mm512_store_si512(stage + 32 * i, x);
+        v[j] = _mm512_and_si512(x, key_mask);
+        if constexpr (COLKEYS) {
+          __m512i* ck = reinterpret_cast<__m512i*>(col_key + 32 * i);
+          _mm512_store_si512(ck, _mm512_max_epu16(_mm512_load_si512(ck), v[j]));
         }
       } else {
-#pragma GCC unroll 2
-        for (int b = 0; b < NB; ++b) v[b][i] = _mm512_setzero_si512();
+        v[j] = _mm512_setzero_si512();
       }
     }
-    if constexpr (kRowTree) {
-#pragma GCC unroll 2
-      for (int b = 0; b < NB; ++b) t8[b][g] = tree8(v[b]);
+    if constexpr (ROW) t8[g] = tree8(v);
+  }
+  if constexpr (!ROW) {
+    return false;
+  } else {
+    const __m512i keys = _mm512_permutexvar_epi16(tree_order(), tree32_from8(t8));
+    __mmask32 nan;
+    const __m512i bytes = scale_bytes<F>(keys, mode, &nan);
+    _mm512_mask_cvtepi16_storeu_epi8(scale, lanes_mask(nblk), bytes);
+    _mm512_mask_cvtepi16_storeu_epi8(row_byte, lanes_mask(nblk), bytes);
+    // NaN/Inf blocks get an offset that keeps their (overwritten) codes off the exact path.
+    _mm512_mask_storeu_epi16(row_off, lanes_mask(nblk),
+                             _mm512_mask_mov_epi16(code_offsets<F>(bytes), nan, set16(-0x4000)));
+    return (nan & lanes_mask(nblk)) != 0;
+  }
+}
+
+// One chunk of one strip: rows [0, nrows) (row stride ld), columns [0, W) of the chunk.
+template <ElemFormat F, BlockKind BK, bool COL, typename T>
+void strip_chunk(const T* src, int64_t ld, int nrows, int W, ScaleMode mode, uint8_t* blk_data,
+                 uint8_t* blk_scale, int64_t KB, uint8_t* col_data, uint8_t* col_scale, bool nt,
+                 bool pf_ok, StripScratch& s) {
+  using C = Bf16Encode<F>;
+  constexpr bool kStage = !std::is_same_v<T, uint16_t>;
+  constexpr bool kRow = BK == BlockKind::Row;
+  constexpr bool kColKeys = COL || BK == BlockKind::Tile;
+  const int nbw = (W + 31) / 32;
+  const int wlast = W - 32 * (nbw - 1);
+  // The same columns of the next row: one row segment ahead.
+  const int64_t pf = pf_ok ? ld : 0;
+  if constexpr (kColKeys) std::memset(s.col_key, 0, sizeof(uint16_t) * 32 * nbw);
+
+  // Pass 1.
+  bool any_nan = false;
+  for (int r = 0; r < nrows; ++r) {
+    for (int b0 = 0; b0 < nbw; b0 += 32) {
+      const int n = std::min(32, nbw - b0);
+      const int last = b0 + n == nbw ? wlast : 32;
+      const T* p = src + r * ld + 32 * b0;
+      uint8_t* sc = kRow ? blk_scale + r * KB + b0 : nullptr;
+      uint16_t* st = kStage ? s.stage + r * kChunkCols + 32 * b0 : nullptr;
+      if (n == 32 && last == 32) {
+        any_nan |= row_segment<F, kRow, kColKeys, true>(p, 32, 32, mode, sc,
+                                                        &s.row_off[r][b0], &s.row_byte[r][b0],
+                                                        s.col_key + 32 * b0, st, pf);
+      } else {
+        any_nan |= row_segment<F, kRow, kColKeys, false>(p, n, last, mode, sc,
+                                                         &s.row_off[r][b0], &s.row_byte[r][b0],
+                                                         s.col_key + 32 * b0, st, 0);
+      }
     }
   }
+
+  // Column and tile scales.
+  int16_t tile_off[kChunkBlocks];
+  for (int b = 0; b < nbw; ++b) {
+    const int ncols = b == nbw - 1 ? wlast : 32;
+    const __m512i ck = _mm512_load_si512(s.col_key + 32 * b);
+    if constexpr (COL) {
+      __mmask32 nan;
+      const __m512i bytes = scale_bytes<F>(ck, mode, &nan);
+      _mm512_mask_cvtepi16_storeu_epi8(col_scale + 32 * b, lanes_mask(ncols), bytes);
+      _mm512_mask_cvtepi16_storeu_epi8(s.col_byte + 32 * b, ~__mmask32{0}, bytes);
+      _mm512_store_si512(s.col_off + 32 * b,
+                         _mm512_mask_mov_epi16(code_offsets<F>(bytes), nan, set16(-0x4000)));
+      any_nan |= (nan & lanes_mask(ncols)) != 0;
+    }
+    if constexpr (BK == BlockKind::Tile) {
+      const uint16_t key = hmax32(ck);
+      __mmask32 nan;
+      const __m512i bytes =
+          scale_bytes<F>(_mm512_set1_epi16(static_cast<int16_t>(key)), mode, &nan);
+      const uint8_t byte =
+          static_cast<uint8_t>(_mm_extract_epi16(_mm512_castsi512_si128(bytes), 0));
+      blk_scale[b] = byte;
+      for (int r = 0; r < 32; ++r) s.row_byte[r][b] = byte;
+      tile_off[b] = (nan & 1u) ? int16_t{-0x4000}
+                               : static_cast<int16_t>(_mm_extract_epi16(
+                                     _mm512_castsi512_si128(code_offsets<F>(bytes)), 0));
+      any_nan |= (nan & 1u) != 0;
+    }
+  }
+
+  // Pass 2.
   const uint16_t* xs;
   int64_t ldx;
   if constexpr (kStage) {
-    xs = &s.stage[0][0];
-    ldx = 64;
+    xs = s.stage;
+    ldx = kChunkCols;
   } else {
     xs = reinterpret_cast<const uint16_t*>(src);
     ldx = ld;
   }
-
-  // Scales.
-  __mmask32 row_nan[NB], col_nan[NB];
-  __m512i col_off[NB];
-  int16_t tile_off[NB];
-#pragma GCC unroll 2
-  for (int b = 0; b < NB; ++b) {
-    const int ncols = b == NB - 1 ? last : 32;
-    row_nan[b] = col_nan[b] = 0;
-    tile_off[b] = 0;
-    if constexpr (kRowTree) {
-      const __m512i keys = _mm512_permutexvar_epi16(tree_order(), tree32_from8(t8[b]));
-      const __m512i bytes = scale_bytes<F>(keys, mode, &row_nan[b]);
-      _mm512_store_si512(s.row_off[b], code_offsets<F>(bytes));
-      _mm512_mask_cvtepi16_storeu_epi8(s.row_byte[b], ~__mmask32{0}, bytes);
-      for (int r = 0; r < nrows; ++r) blk_scale[r * KB + b] = s.row_byte[b][r];
-    }
-    if constexpr (BK == BlockKind::Tile) {
-      const uint16_t key = hmax32(colmax[b]);
-      __mmask32 nan;
-      const __m512i bytes = scale_bytes<F>(_mm512_set1_epi16(static_cast<int16_t>(key)), mode,
-                                           &nan);
-      const uint8_t byte =
-          static_cast<uint8_t>(_mm_extract_epi16(_mm512_castsi512_si128(bytes), 0));
-      tile_off[b] = static_cast<int16_t>(
-          _mm_extract_epi16(_mm512_castsi512_si128(code_offsets<F>(bytes)), 0));
-      row_nan[b] = (nan & 1u) ? ~__mmask32{0} : 0;  // every row of the tile
-      blk_scale[b] = byte;
-      s.row_byte[b][0] = byte;
-    }
-    if constexpr (COL) {
-      const __m512i bytes = scale_bytes<F>(colmax[b], mode, &col_nan[b]);
-      col_off[b] = code_offsets<F>(bytes);
-      _mm512_mask_cvtepi16_storeu_epi8(col_scale + 32 * b, lanes_mask(ncols), bytes);
-      _mm512_mask_cvtepi16_storeu_epi8(s.col_byte + 32 * b, ~__mmask32{0}, bytes);
-    } else {
-      col_off[b] = _mm512_setzero_si512();
-    }
-  }
-  const __mmask32 any_row_nan = row_nan[0] | row_nan[NB - 1];
-
-  // Pass 2: the elements, every plane from one load (L1).
-  for (int r = 0; r < nrows; ++r) {
-    const uint16_t* x = xs + r * ldx;
-    __m512i bc[NB], cc[NB];
-    __mmask32 bbad[NB], cbad[NB];
+  const __m512i sub_shift = set16(C::kMinNormalCode - 0x80);
+  auto group = [&](int b0, auto nb_tag) {
+    constexpr int NB = decltype(nb_tag)::value;
+    const int last = b0 + NB == nbw ? wlast : 32;
+    __m512i coff[NB];
 #pragma GCC unroll 2
     for (int b = 0; b < NB; ++b) {
-      bbad[b] = cbad[b] = 0;
-      bc[b] = cc[b] = _mm512_setzero_si512();
-      const Elems e = elems_of<F>(load_bf16(x + 32 * b, !EDGE || b != NB - 1 ? 32 : last));
-      if constexpr (BK != BlockKind::None) {
-        if (__builtin_expect(any_row_nan != 0, 0) && ((row_nan[b] >> r) & 1u)) {
-          bc[b] = set16(zrw::mx::kElemNaN);
-        } else {
-          const int16_t off = BK == BlockKind::Row ? s.row_off[b][r] : tile_off[b];
-          bc[b] = codes<F>(e, _mm512_set1_epi16(off), &bbad[b]);
-          bbad[b] |= e.sub;
+      coff[b] = COL ? _mm512_load_si512(s.col_off + 32 * (b0 + b)) : _mm512_setzero_si512();
+    }
+    for (int r = 0; r < nrows; ++r) {
+      const uint16_t* x = xs + r * ldx + 32 * b0;
+      __m512i bc[NB], cc[NB];
+      __mmask32 bad[NB];
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) {
+        const __m512i xv = load_bf16(x + 32 * b, b == NB - 1 ? last : 32);
+        const Elems e = elems_of<F>(xv);
+        // One test for every lane that needs the exact path: a nonzero bf16 subnormal, or a
+        // code below the format's normal range in either plane.
+        __m512i low = _mm512_add_epi16(_mm512_and_si512(xv, set16(0x7FFF)), sub_shift);
+        bc[b] = cc[b] = _mm512_setzero_si512();
+        if constexpr (BK != BlockKind::None) {
+          const int16_t off = kRow ? s.row_off[r][b0 + b] : tile_off[b0 + b];
+          const __m512i c = _mm512_sub_epi16(e.base, _mm512_set1_epi16(off));
+          low = _mm512_min_epi16(low, c);
+          bc[b] = _mm512_ternarylogic_epi32(_mm512_maskz_min_epi16(e.nz, c, set16(C::kMaxCode)),
+                                            e.sign_hi, set16(0x80), 0xF8);
         }
+        if constexpr (COL) {
+          const __m512i c = _mm512_sub_epi16(e.base, coff[b]);
+          low = _mm512_min_epi16(low, c);
+          cc[b] = _mm512_ternarylogic_epi32(_mm512_maskz_min_epi16(e.nz, c, set16(C::kMaxCode)),
+                                            e.sign_hi, set16(0x80), 0xF8);
+        }
+        bad[b] = _mm512_mask_cmplt_epi16_mask(e.nz, low, set16(C::kMinNormalCode));
+        if (__builtin_expect(any_nan, 0)) {
+          // NaN/Inf blocks and columns: element bytes kElemNaN.
+          if (BK != BlockKind::None && s.row_byte[r][b0 + b] == zrw::mx::kScaleNaN) {
+            bc[b] = set16(zrw::mx::kElemNaN);
+          }
+          if constexpr (COL) {
+            const __mmask32 cn = _mm512_cmpeq_epi16_mask(
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(s.col_byte + 32 * (b0 + b)))),
+                set16(0xFF));
+            cc[b] = _mm512_mask_mov_epi16(cc[b], cn, set16(zrw::mx::kElemNaN));
+          }
+        }
+      }
+      if constexpr (BK != BlockKind::None) {
+        store_row<F, NB>(blk_data + r * ld + 32 * b0, bc, last, bad, nt, x,
+                         &s.row_byte[r][b0], 1, nullptr);
       }
       if constexpr (COL) {
-        cc[b] = codes<F>(e, col_off[b], &cbad[b]);
-        cbad[b] = (cbad[b] | e.sub) & ~col_nan[b];
-        if (__builtin_expect(col_nan[b] != 0, 0)) {
-          cc[b] = _mm512_mask_mov_epi16(cc[b], col_nan[b], set16(zrw::mx::kElemNaN));
-        }
+        store_row<F, NB>(col_data + r * ld + 32 * b0, cc, last, bad, nt, x, nullptr, 0,
+                         s.col_byte + 32 * b0);
       }
     }
-    if constexpr (BK == BlockKind::Row) {
-      store_row<F, NB>(blk_data + r * ld, bc, last, bbad, nt, x, &s.row_byte[0][r], 32,
-                       nullptr);
-    } else if constexpr (BK == BlockKind::Tile) {
-      store_row<F, NB>(blk_data + r * ld, bc, last, bbad, nt, x, &s.row_byte[0][0], 32,
-                       nullptr);
-    }
-    if constexpr (COL) {
-      store_row<F, NB>(col_data + r * ld, cc, last, cbad, nt, x, s.col_byte, 0, s.col_byte);
-    }
-  }
+  };
+  int b0 = 0;
+  for (; b0 + 2 <= nbw; b0 += 2) group(b0, std::integral_constant<int, 2>{});
+  if (b0 < nbw) group(b0, std::integral_constant<int, 1>{});
 }
 
 // ---- drivers ---------------------------------------------------------------------------------
@@ -570,36 +642,23 @@ void quantize_strips(const T* src, int64_t nmat, int64_t N, int64_t K, ScaleMode
   const bool aligned = K % 64 == 0 && reinterpret_cast<uintptr_t>(blk_data) % 64 == 0 &&
                        reinterpret_cast<uintptr_t>(col_data) % 64 == 0;
   const bool nt = aligned && nmat * N * K >= tuning().nt_min_bytes;
-  const int64_t pf = tuning().pf_groups * 64;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
   at::parallel_for(0, total, grain, [&](int64_t i0, int64_t i1) {
-    Scratch s;
+    auto s = std::make_unique<StripScratch>();
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / NB, strip = i % NB, r0 = strip * kBlock;
       const int nrows = static_cast<int>(std::min<int64_t>(kBlock, N - r0));
-      const T* msrc = src + m * N * K + r0 * K;
       const int64_t off = m * N * K + r0 * K;
-      for (int64_t c0 = 0; c0 < K; c0 += 64) {
-        const int64_t rem = K - c0;
-        const int nb = rem > 32 ? 2 : 1;
-        const int last = static_cast<int>(nb == 2 ? std::min<int64_t>(32, rem - 32) : rem);
+      for (int64_t c0 = 0; c0 < K; c0 += kChunkCols) {
+        const int W = static_cast<int>(std::min<int64_t>(kChunkCols, K - c0));
         uint8_t* bd = BK != BlockKind::None ? blk_data + off + c0 : nullptr;
         uint8_t* bs = nullptr;
         if constexpr (BK == BlockKind::Row) bs = blk_scale + m * N * KB + r0 * KB + c0 / kBlock;
         if constexpr (BK == BlockKind::Tile) bs = blk_scale + m * NB * KB + strip * KB + c0 / kBlock;
         uint8_t* cd = COL ? col_data + off + c0 : nullptr;
         uint8_t* cs = COL ? col_scale + m * NB * K + strip * K + c0 : nullptr;
-        const int64_t pfd = rem > 64 + pf ? pf : 0;
-        if (nrows == 32 && nb == 2 && last == 32) {
-          strip_group<F, BK, COL, 2, false>(msrc + c0, K, 32, 32, mode, bd, bs, KB, cd, cs, nt,
-                                            pfd, s);
-        } else if (nb == 2) {
-          strip_group<F, BK, COL, 2, true>(msrc + c0, K, nrows, last, mode, bd, bs, KB, cd, cs,
-                                           false, pfd, s);
-        } else {
-          strip_group<F, BK, COL, 1, true>(msrc + c0, K, nrows, last, mode, bd, bs, KB, cd, cs,
-                                           false, pfd, s);
-        }
+        strip_chunk<F, BK, COL>(src + off + c0, K, nrows, W, mode, bd, bs, KB, cd, cs, nt,
+                                /*pf_ok=*/true, *s);
       }
     }
     if (nt) _mm_sfence();
