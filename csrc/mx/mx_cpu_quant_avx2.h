@@ -77,7 +77,9 @@ enum class Round { None, BF16, F16 };
 
 // Per-thread buffers for one strip chunk of up to 32 rows x kCols columns.
 struct Scratch {
-  static constexpr int64_t kCols = 256;  // 32 x 256 bf16 = 16 KiB: the chunk stays in L1
+  // 32 x 2048 bf16 = 128 KiB: the chunk stays in L2, and pass 1 reads each row's 4 KiB as one
+  // sequential stream (with 256 columns, 512-byte pieces of 32 rows took twice the copy's time).
+  static constexpr int64_t kCols = 2048;
   static constexpr int64_t kBlocks = kCols / kBlock;
   alignas(32) uint16_t col_key[kCols];
   alignas(32) int16_t col_off[kCols];
@@ -96,7 +98,19 @@ struct Scratch {
   alignas(32) float tail_orig[kBlock * kBlock];
   alignas(32) uint8_t tail_blk[kBlock * kBlock];
   alignas(32) uint8_t tail_col[kBlock * kBlock];
+  // Write the element planes with non-temporal stores (large outputs, 32-byte aligned rows):
+  // they would only evict the input from the caches.
+  bool nt = false;
 };
+
+// A 32-byte run of codes into the output.
+inline void store_codes(uint8_t* p, __m256i v, bool nt) {
+  if (nt) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+  }
+}
 
 inline __m256i abs16(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF)); }
 
@@ -157,17 +171,14 @@ inline float to_float(uint16_t bf16_bits) {
 inline float to_float(float x) { return x; }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
-// A chunk is read row by row from 32 rows at once (the staging of fp32/fp16 inputs, or pass 1
-// of a bf16 chunk), each row a separate stream K elements from the next, which the hardware
-// prefetchers do not keep ahead of: without help the loads wait on memory. Each 64-byte step
-// asks for the line one chunk further along its row, into L2 (L1 would not hold two chunks next
-// to the stage buffers): the row's next chunk, or past the row's end (a prefetch never faults).
-// On Zen 4 (1 thread, 2048 x 2048) it took the fp32 master's 32x32 and one-axis quantization
-// from ~1.4x the bf16 path's time per byte read to at most the bf16 path's, and the bf16 path
-// itself from 1.8 / 1.0 / 1.2 ms (dual, 32x32, one axis) to 1.3 / 0.8 / 0.85 ms.
+// A chunk is read row by row (the staging of fp32/fp16 inputs, or pass 1 of a bf16 chunk), 32
+// rows K elements apart. Each 64-byte step asks for the line `dist` elements further, into L2:
+// the same columns of the next row, so that the next row segment streams in while this one is
+// processed (the last row's points into the next strip, which comes next for K <= kCols; a
+// prefetch never faults).
 template <typename T>
-inline void prefetch_next_chunk(const T* x) {
-  _mm_prefetch(reinterpret_cast<const char*>(x + Scratch::kCols), _MM_HINT_T1);
+inline void prefetch_ahead(const T* x, int64_t dist) {
+  _mm_prefetch(reinterpret_cast<const char*>(x + dist), _MM_HINT_T1);
 }
 
 // The exact path for one 32-element run of a row of original input elements: every element
@@ -206,7 +217,7 @@ void quantize_chunk(const uint16_t* src, int64_t ld, const T* orig, int64_t ld_o
   for (int64_t r = 0; r < nrows; ++r) {
     const uint16_t* row = src + r * ld;
     for (int64_t b = 0; b < nb; ++b) {
-      if (prefetch_src) prefetch_next_chunk(row + 32 * b);
+      if (prefetch_src) prefetch_ahead(row + 32 * b, ld);
       const __m256i a0 = abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b)));
       const __m256i a1 =
           abs16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b + 16)));
@@ -286,14 +297,14 @@ void quantize_chunk(const uint16_t* src, int64_t ld, const T* orig, int64_t ld_o
         continue;
       }
       if constexpr (BK != BlockKind::None) {
-        _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(bo + 32 * b),
-            _mm256_permute4x64_epi64(_mm256_packus_epi16(blk_code[0], blk_code[1]), 0xD8));
+        store_codes(bo + 32 * b,
+                    _mm256_permute4x64_epi64(_mm256_packus_epi16(blk_code[0], blk_code[1]), 0xD8),
+                    s.nt);
       }
       if constexpr (COL) {
-        _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(co + 32 * b),
-            _mm256_permute4x64_epi64(_mm256_packus_epi16(col_code[0], col_code[1]), 0xD8));
+        store_codes(co + 32 * b,
+                    _mm256_permute4x64_epi64(_mm256_packus_epi16(col_code[0], col_code[1]), 0xD8),
+                    s.nt);
       }
     }
   }
@@ -332,11 +343,12 @@ inline __m256 load8(const at::Half* x) {
 }
 
 // n (a multiple of 16) fp32/fp16 elements -> jammed bf16 keys; `prefetch`: x is a row of a
-// chunk of the input (prefetch_next_chunk), not a small buffer.
+// chunk of the input, whose next row is `prefetch` elements further (prefetch_ahead), not a
+// small buffer (0).
 template <typename T>
-inline void stage_row(const T* x, uint16_t* out, int64_t n, bool prefetch = false) {
+inline void stage_row(const T* x, uint16_t* out, int64_t n, int64_t prefetch = 0) {
   for (int64_t j = 0; j < n; j += 16) {
-    if (prefetch) prefetch_next_chunk(x + j);
+    if (prefetch) prefetch_ahead(x + j, prefetch);
     // packus_epi32 works per 128-bit lane; the permute puts the 16 keys back in order.
     const __m256i packed = _mm256_packus_epi32(jam8(load8(x + j)), jam8(load8(x + j + 8)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
@@ -360,9 +372,9 @@ inline __m256i round_bf16_8(__m256 v) {
 
 // n (a multiple of 16) fp32 master elements -> their bf16 bit patterns: the exact bf16 values,
 // both keys and elements (Round::BF16).
-inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n) {
+inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n, int64_t ld) {
   for (int64_t j = 0; j < n; j += 16) {
-    prefetch_next_chunk(x + j);
+    prefetch_ahead(x + j, ld);
     const __m256i packed = _mm256_packus_epi32(round_bf16_8(_mm256_loadu_ps(x + j)),
                                                round_bf16_8(_mm256_loadu_ps(x + j + 8)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
@@ -372,10 +384,11 @@ inline void stage_row_bf16(const float* x, uint16_t* out, int64_t n) {
 
 // n (a multiple of 16) fp32 master elements -> their fp16 values (`halves`, what the exact path
 // reads) and those values' jammed bf16 keys (`keys`), as an fp16 input is staged (Round::F16).
-inline void stage_row_f16(const float* x, at::Half* halves, uint16_t* keys, int64_t n) {
+inline void stage_row_f16(const float* x, at::Half* halves, uint16_t* keys, int64_t n,
+                          int64_t ld) {
   constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t j = 0; j < n; j += 16) {
-    prefetch_next_chunk(x + j);
+    prefetch_ahead(x + j, ld);
     const __m128i h0 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j), kRne);
     const __m128i h1 = _mm256_cvtps_ph(_mm256_loadu_ps(x + j + 8), kRne);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(halves + j), h0);
@@ -442,19 +455,20 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
     } else if constexpr (R == Round::BF16) {
       // The staged bf16 values are the elements: the exact path reads them, not the master.
       for (int64_t r = 0; r < nrows; ++r) {
-        stage_row_bf16(orig + r * K, s.stage + r * ld_stage, ncols);
+        stage_row_bf16(orig + r * K, s.stage + r * ld_stage, ncols, K);
       }
       quantize_chunk<F, BK, COL>(s.stage, ld_stage, static_cast<const uint16_t*>(s.stage),
                                  ld_stage, nrows, ncols, mode, blk_out, col_out, K, s);
     } else if constexpr (R == Round::F16) {
       for (int64_t r = 0; r < nrows; ++r) {
-        stage_row_f16(orig + r * K, s.stage_f16 + r * ld_stage, s.stage + r * ld_stage, ncols);
+        stage_row_f16(orig + r * K, s.stage_f16 + r * ld_stage, s.stage + r * ld_stage, ncols,
+                      K);
       }
       quantize_chunk<F, BK, COL>(s.stage, ld_stage, static_cast<const at::Half*>(s.stage_f16),
                                  ld_stage, nrows, ncols, mode, blk_out, col_out, K, s);
     } else {
       for (int64_t r = 0; r < nrows; ++r) {
-        stage_row(orig + r * K, s.stage + r * ld_stage, ncols, /*prefetch=*/true);
+        stage_row(orig + r * K, s.stage + r * ld_stage, ncols, /*prefetch=*/K);
       }
       quantize_chunk<F, BK, COL>(s.stage, ld_stage, orig, K, nrows, ncols, mode, blk_out,
                                  col_out, K, s);

@@ -33,6 +33,9 @@
 #if defined(__AVX2__)
 #include "mx_cpu_quant_avx2.h"
 #endif
+#if defined(__AVX512BW__)
+#include "mx_cpu_quant_avx512.h"
+#endif
 
 namespace zrw::cpu::ZRW_CPU_ISA {
 namespace {
@@ -231,8 +234,12 @@ void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat 
     constexpr BlockKind BK = decltype(bk_tag)::value;
     constexpr bool COL = decltype(col_tag)::value;
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
+    auto aligned = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
+    const bool nt = K % kBlock == 0 && nmat * N * K >= (int64_t{4} << 20) &&
+                    aligned(out.row_data) && aligned(out.col_data) && aligned(out.tile_data);
     at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
       auto scratch = std::make_unique<avx2_path::Scratch>();
+      scratch->nt = nt;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t m = i / strips;
         const QuantOutputs o = outs_of(m);
@@ -242,6 +249,7 @@ void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat 
                                                  mode, blk_data, blk_scale, o.col_data,
                                                  o.col_scale, *scratch);
       }
+      if (nt) _mm_sfence();
     });
   };
   // Runtime choices -> template arguments.
@@ -290,6 +298,43 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
     o.tile_scale = at_(out.tile_scale, m * NB * KB);
     return o;
   };
+#if defined(__AVX512BW__)
+  if (!(out.row_data && out.tile_data) &&
+      (src_dtype == at::kBFloat16 || (src_dtype == at::kFloat && round_to == at::kBFloat16))) {
+    // bf16 weights and FP32 masters quantized as bf16 parameters: the AVX-512 path.
+    auto with_src = [&](auto f_tag, const auto* s) {
+      constexpr ElemFormat F = decltype(f_tag)::value;
+      using avx2_path::BlockKind;
+      if (out.row_data && !out.col_data) {
+        avx512_path::quantize_rows<F>(s, nmat * N, K, mode, out.row_data, out.row_scale);
+      } else if (out.row_data) {
+        avx512_path::quantize_strips<F, BlockKind::Row, true>(s, nmat, N, K, mode, out.row_data,
+                                                              out.row_scale, out.col_data,
+                                                              out.col_scale);
+      } else if (out.tile_data) {
+        avx512_path::quantize_strips<F, BlockKind::Tile, false>(
+            s, nmat, N, K, mode, out.tile_data, out.tile_scale, nullptr, nullptr);
+      } else if (out.col_data) {
+        avx512_path::quantize_strips<F, BlockKind::None, true>(s, nmat, N, K, mode, nullptr,
+                                                               nullptr, out.col_data,
+                                                               out.col_scale);
+      }
+    };
+    auto with_fmt = [&](const auto* s) {
+      if (fmt == ElemFormat::E4M3) {
+        with_src(std::integral_constant<ElemFormat, ElemFormat::E4M3>{}, s);
+      } else {
+        with_src(std::integral_constant<ElemFormat, ElemFormat::E5M2>{}, s);
+      }
+    };
+    if (src_dtype == at::kBFloat16) {
+      with_fmt(static_cast<const uint16_t*>(src));
+    } else {
+      with_fmt(static_cast<const float*>(src));
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   if (!(out.row_data && out.tile_data)) {  // every combination the ops request
     using avx2_path::Round;

@@ -192,7 +192,8 @@ SHAPE_DIMS = [
     ((31, 65), -2), ((64,), 0), ((3, 40, 5), 1), ((3, 40, 5), 0), ((3, 40, 5), -1),
     ((2, 3, 33, 7), 0), ((2, 3, 33, 7), 1), ((2, 3, 33, 7), -2), ((2, 3, 7, 33), -1),
 ]
-BIG_SHAPE_DIMS = [((4, 1100), -1), ((1100, 3), 0)]  # past the kernel's 512-column chunk
+# past the kernels' column chunks (512 columns portable, 2048 AVX-512) and their 32-row strips
+BIG_SHAPE_DIMS = [((4, 1100), -1), ((1100, 3), 0), ((3, 2100), -1), ((40, 2112), 0)]
 
 
 def kind_dtype_shape_matrix(kinds, shapes, big_shapes):
@@ -358,7 +359,8 @@ def test_quantize_non_contiguous_3d_and_4d():
 
 
 WEIGHT_SHAPES = [(1, 1), (1, 33), (33, 1), (100, 70), (31, 65), (3, 40, 70), (2, 33, 65), (1, 1, 1)]
-BIG_WEIGHT_SHAPES = [(40, 1100), (2, 40, 530)]  # past the kernel's 512-column chunk
+# past the kernels' column chunks (512 columns portable, 2048 AVX-512)
+BIG_WEIGHT_SHAPES = [(40, 1100), (2, 40, 530), (40, 2100), (33, 4160)]
 DUAL_KINDS = ["randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "specials",
               "nonfinite", "ties"]
 
@@ -685,6 +687,42 @@ def test_fp32_fp16_rounding_sticky_bits_and_subnormals(src_dtype, elem_dtype, sc
 
 
 # ------------------------------------------------------------------------------------------------
+# a large weight: the streaming paths (non-temporal stores from 4 Mi elements on AVX-512)
+
+
+def test_large_weight_every_layout_matches_reference():
+    gen = torch.Generator().manual_seed(23)
+    n = k = 2048
+    w = torch.randn(n, k, generator=gen)
+    exps = torch.randint(-12, 13, (n, k // 32, 1), generator=gen).float()
+    w = w * torch.exp2(exps).repeat_interleave(32, -1).view(n, k)
+    flat = w.view(-1)
+    flat[::4099] = 0.0
+    flat[1::8191] = -0.0
+    flat[3::30011] = 2.0**-130                  # a bf16 subnormal
+    flat[5::16411] = flat[5::16411] * 2.0**-20  # far below its block's amax
+    flat[7::1_000_003] = math.nan
+    flat[11::1_500_007] = -math.inf
+    x = w.to(torch.bfloat16)
+    for elem_dtype, scale_mode in ((E4M3, "floor"), (E5M2, "rceil")):
+        what = f"{elem_dtype} {scale_mode}"
+        exp_dual = ref.mx_quantize_dual(x, elem_dtype, scale_mode)
+        for got in (ops.mx_quantize_dual(x, elem_dtype, scale_mode),
+                    ops.mx_quantize_dual_from_master(w, torch.bfloat16, elem_dtype, scale_mode)):
+            assert_same_quantization(got[:2], exp_dual[:2], -1, "fwd " + what)
+            assert_same_quantization(got[2:], exp_dual[2:], -2, "bwd " + what)
+        for dim, exp in ((-1, exp_dual[:2]), (0, exp_dual[2:])):
+            assert_same_quantization(ops.mx_quantize(x, dim, elem_dtype, scale_mode), exp, dim,
+                                     f"dim {dim} {what}")
+        assert_same_quantization(ops.mx_quantize_from_master(w, -1, torch.bfloat16, elem_dtype,
+                                                             scale_mode), exp_dual[:2], -1, what)
+        exp_block = ref.mx_quantize_block(x, elem_dtype, scale_mode)
+        for got in (ops.mx_quantize_block(x, elem_dtype, scale_mode),
+                    ops.mx_quantize_block_from_master(w, torch.bfloat16, elem_dtype, scale_mode)):
+            assert_block_quantization_equal(got, exp_block, (n, k), "block " + what)
+
+
+# ------------------------------------------------------------------------------------------------
 # every CPU kernel build (ZRW_CPU_ISA), each in its own process
 
 
@@ -711,7 +749,7 @@ ISA_SCRIPT = textwrap.dedent(
 
     gen = torch.Generator().manual_seed(0)
     failures = []
-    shapes = [(1, 1), (1, 33), (31, 65), (100, 70), (3, 40, 70), (5, 1100)]
+    shapes = [(1, 1), (1, 33), (31, 65), (100, 70), (3, 40, 70), (5, 1100), (40, 2100)]
     for shape in shapes:
         base = torch.randn(shape, generator=gen, dtype=torch.float64)
         base = base * torch.exp2(torch.randint(-30, 31, shape, generator=gen).double())

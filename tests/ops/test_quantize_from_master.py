@@ -50,8 +50,9 @@ PARAM_DTYPES = (BF16, FP16)
 FORMATS = [(e, m) for e in (E4M3, E5M2) for m in ops.SCALE_MODES]
 LAYOUTS = ("dim-1", "dim-2", "dual", "block")
 KINDS = ["randn", "ties", "amax_rounding", "overflow", "subnormal", "nonfinite"]
-# Unaligned (N=47, K=113), 3-d, aligned, K past the kernels' column chunks (256 and 512), tiny.
-SHAPES = [(47, 113), (3, 47, 113), (64, 96), (40, 600), (1, 1), (2, 33, 65)]
+# Unaligned (N=47, K=113), 3-d, aligned, K past the kernels' column chunks (256 and 512; 2048
+# with a partial last block on AVX-512), tiny.
+SHAPES = [(47, 113), (3, 47, 113), (64, 96), (40, 600), (1, 1), (2, 33, 65), (33, 2100)]
 
 # Block exponents (of 2) that keep the parameter's values finite and mostly normal.
 EXP_RANGE = {BF16: (-120, 120), FP16: (-12, 13)}

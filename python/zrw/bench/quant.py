@@ -3,8 +3,12 @@
 For one bf16 weight (default 4096 x 4096) it times, in one run: a plain `copy_` of the weight
 (the floor any kernel that reads and writes it must pay), zrw's dual-axis, 32x32-block and
 one-axis quantization, and torchao's `to_mx` doing the same work (both axes: to_mx of w and of
-w.t().contiguous()). It also times mx_matmul against a bf16 torch.matmul of the same shape, and
-the dual-axis kernel on 1 and on all threads.
+w.t().contiguous()). Every kernel runs on 1 thread and on all threads, and is reported as its
+time over the copy's and as bytes moved per second (what it reads plus what it writes) over the
+copy's bytes per second: the copy measures the machine's bandwidth in the same rounds. The table
+names the kernel ISA and the CPU model. It also times mx_matmul against a bf16 torch.matmul of
+the same shape, and, in a child process forced onto the FP32 GEMM path (what a CPU without
+native BF16 runs), against an fp32 torch.matmul.
 
 Quantization straight from an FP32 master (the *_from_master ops: each element rounded to bf16
 and quantized in one read) is timed in the same rounds against a `copy_` of the fp32 master into
@@ -42,7 +46,71 @@ def _torchao_to_mx():
     return lambda x: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
 
 
-def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it ("model name"), else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+# Bytes each kernel reads and writes per element of the weight (data, plus one scale byte per
+# 32 elements per plane, or per 1024 for 32x32 tiles): what "bytes moved" counts.
+_BF16, _FP32 = 2, 4
+BYTES_PER_ELEM = {
+    "copy": _BF16 + _BF16,
+    "dual": _BF16 + 2 * (1 + 1 / 32),
+    "block": _BF16 + 1 + 1 / 1024,
+    "single_dim_-1": _BF16 + 1 + 1 / 32,
+    "single_dim_0": _BF16 + 1 + 1 / 32,
+    "copy_fp32": _FP32 + _FP32,
+    "dual_from_master": _FP32 + 2 * (1 + 1 / 32),
+    "block_from_master": _FP32 + 1 + 1 / 1024,
+    "single_dim_-1_from_master": _FP32 + 1 + 1 / 32,
+    # the cast writes and rereads a bf16 copy
+    "cast_then_dual": _FP32 + _BF16 + _BF16 + 2 * (1 + 1 / 32),
+}
+
+
+def _matmul_fp32_path(mm: int) -> dict | None:
+    """mx_matmul with a bf16 result on the FP32 GEMM path (what a CPU without native BF16 runs),
+    against an fp32 torch.matmul of the same shape: measured in a child process started with
+    ZRW_CPU_GEMM=fp32, since the GEMM path is chosen once per process."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch\n"
+        "from zrw import ops\n"
+        "from zrw.bench._timing import best_of\n"
+        f"mm = {mm}\n"
+        "torch.manual_seed(0)\n"
+        "a = torch.randn(mm, mm, dtype=torch.bfloat16)\n"
+        "b = torch.randn(mm, mm, dtype=torch.bfloat16)\n"
+        "qa, sa = ops.mx_quantize(a, -1); qb, sb = ops.mx_quantize(b, -1)\n"
+        "a32, b32 = a.float(), b.float()\n"
+        "t32 = best_of(lambda: torch.matmul(a32, b32.t()), 3, 1)\n"
+        "tmx = best_of(lambda: ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16), 3, 1)\n"
+        "print(json.dumps({'matmul_fp32': t32 * 1e3, 'mx_matmul': tmx * 1e3}))\n"
+    )
+    env = dict(os.environ, ZRW_CPU_GEMM="fp32")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception:  # a figure the benchmark cannot get is shown as missing, not fatal
+        return None
+
+
+def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
+        fp32_gemm_child: bool = True) -> dict:
     """Every figure of the benchmark. Sets glibc's malloc thresholds for the rest of the process
     (see the module docstring): call it from a process of its own."""
     torch.manual_seed(0)
@@ -69,23 +137,42 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
             lambda: ops.mx_quantize_from_master(master, -1, bf16, e4m3, "floor"),
         "cast_then_dual": lambda: ops.mx_quantize_dual(master.to(bf16), e4m3, "floor"),
     }
+    every = {**kernels, **master_kernels}
 
     warm = warm_heap()
-    t_all = best_of_interleaved({**kernels, **master_kernels}, repeat)
+    # Every kernel on 1 thread and on all of them, each count in rounds of its own.
+    by_threads: dict[int, dict[str, float]] = {}
+    for nt in sorted({1, threads}):
+        torch.set_num_threads(nt)
+        try:
+            by_threads[nt] = best_of_interleaved(every, repeat)
+        finally:
+            torch.set_num_threads(threads)
+    t_all = by_threads[threads]
     t = {name: t_all[name] for name in kernels}
     t_master = {name: t_all[name] for name in master_kernels}
     t_copy, t_copy32 = t["copy"], t_master["copy_fp32"]
+    t1 = by_threads[1]
     t_dual_fresh = None
     if fresh_pages():
         t_dual_fresh = best_of_interleaved(
             {"copy": kernels["copy"], "dual": kernels["dual"]}, repeat)["dual"]
         warm_heap()
-    torch.set_num_threads(1)
-    try:
-        t1 = best_of_interleaved({"copy": kernels["copy"], "dual": kernels["dual"]},
-                                 max(3, repeat // 2))
-    finally:
-        torch.set_num_threads(threads)
+
+    # Bytes moved per second, and that rate against the copy's in the same rounds (the copy of
+    # the same source dtype: bf16 for the bf16 ops, fp32 for the master ops).
+    elems = n * k
+    bandwidth = {}
+    for nt, times in by_threads.items():
+        rows = {}
+        for name, sec in times.items():
+            copy_name = "copy" if name in kernels else "copy_fp32"
+            gbs = BYTES_PER_ELEM[name] * elems / sec / 1e9
+            copy_gbs = BYTES_PER_ELEM[copy_name] * elems / times[copy_name] / 1e9
+            rows[name] = {"ms": sec * 1e3, "gb_per_s": gbs,
+                          "x_copy_time": sec / times[copy_name],
+                          "of_copy_bandwidth": gbs / copy_gbs}
+        bandwidth[str(nt)] = rows
 
     to_mx = _torchao_to_mx()
     t_ao_dual = t_ao_single = None
@@ -102,6 +189,7 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
     t_mm_mx = best_of(lambda: ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16), 3, 1)
     counts = testing.gemm_counts()
     gemm_ran = sorted(k for k, v in counts.items() if v)
+    fp32_path = _matmul_fp32_path(mm) if fp32_gemm_child else None
 
     def ratio(x, y):
         return None if x is None or y is None else x / y
@@ -109,6 +197,7 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
     return {
         "shape": [n, k],
         "threads": threads,
+        "cpu_model": cpu_model(),
         "cpu_isa": zrw._C.cpu_isa(),
         "gemm_path": zrw._C.cpu_gemm(),
         "native_bf16": zrw._C.cpu_native_bf16(),
@@ -123,7 +212,12 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
             "torchao_to_mx_single": None if t_ao_single is None else t_ao_single * 1e3,
             "matmul_bf16": t_mm_bf16 * 1e3,
             "mx_matmul": t_mm_mx * 1e3,
+            "matmul_fp32": None if fp32_path is None else fp32_path["matmul_fp32"],
+            "mx_matmul_fp32_gemm": None if fp32_path is None else fp32_path["mx_matmul"],
         },
+        "bytes_per_element": BYTES_PER_ELEM,
+        # {"1": ..., "<threads>": ...}: per kernel ms, GB/s moved, time and bandwidth vs copy
+        "bandwidth": bandwidth,
         "allocator": "glibc, freed memory kept in the heap" if warm else "as is",
         "ratio_to_copy": {name: v / t_copy for name, v in t.items() if name != "copy"},
         # The fused master ops against the fp32 copy, and each one's bf16 counterpart against
@@ -145,8 +239,13 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7) -> dict:
             "single_dim_-1": ratio(t_ao_single, t["single_dim_-1"]),
         },
         "thread_speedup_dual": t1["dual"] / t["dual"],
+        # every kernel's time on 1 thread over its time on all threads (>= 1: threads help)
+        "thread_speedup": {name: t1[name] / t_all[name] for name in every},
         "matmul_shape": [mm, mm, mm],
         "mx_matmul_over_bf16_matmul": t_mm_mx / t_mm_bf16,
+        # the FP32 GEMM path (ZRW_CPU_GEMM=fp32, bf16 result) over an fp32 torch.matmul
+        "mx_matmul_fp32_gemm_over_fp32_matmul": None if fp32_path is None
+        else fp32_path["mx_matmul"] / fp32_path["matmul_fp32"],
     }
 
 
@@ -163,36 +262,53 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(r))
         return
-    ms, rc, sp = r["ms"], r["ratio_to_copy"], r["speedup_vs_torchao"]
-    print(f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} bf16 weight, "
-          f"{r['threads']} threads, kernel ISA {r['cpu_isa']}")
-    rows = [["copy_ (baseline)", ms["copy"], 1.0, "", ""]]
-    for key, label in [("dual", "dual-axis (mxfp8)"), ("block", "32x32 block"),
-                       ("single_dim_-1", "one axis, dim -1"), ("single_dim_0", "one axis, dim 0")]:
-        ao = {"dual": "torchao_to_mx_dual", "single_dim_-1": "torchao_to_mx_single"}.get(key)
-        rows.append([label, ms[key], rc[key], "" if ao is None or ms[ao] is None else ms[ao],
-                     "" if sp.get(key) is None else f"{sp[key]:.0f}x"])
-    print_table("", ["kernel", "ms", "x copy", "torchao ms", "zrw speed-up"], rows)
-    fm = r["from_master"]
-    print_table("\n  from an FP32 master (rounded to bf16 and quantized in one read), against a "
-                "copy_ of the fp32 master; the bf16 op against the bf16 copy_ beside it:",
-                ["kernel", "ms", "x fp32 copy", "bf16 op: x bf16 copy"],
-                [["fp32 copy_ (baseline)", ms["copy_fp32"], 1.0, ""]]
-                + [[label, ms[key + "_from_master"], fm["ratio_to_fp32_copy"][key],
-                    fm["bf16_ratio_to_bf16_copy"][key]]
-                   for key, label in [("dual", "dual-axis"), ("block", "32x32 block"),
-                                      ("single_dim_-1", "one axis, dim -1")]]
-                + [["cast to bf16, then dual", ms["cast_then_dual"],
-                    fm["ratio_to_fp32_copy"]["cast_then_dual"], ""]])
-    print(f"\n  output memory: {r['allocator']}")
+    ms, sp = r["ms"], r["speedup_vs_torchao"]
+    print(f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} weight "
+          f"(bf16, and an fp32 master), kernel ISA {r['cpu_isa']}, CPU {r['cpu_model']}")
+    counts = sorted(r["bandwidth"], key=int)
+    header = ["kernel", "B/elem"]
+    for nt in counts:
+        tag = f"{nt}t"
+        header += [f"{tag} ms", f"{tag} GB/s", f"{tag} x copy", f"{tag} BW/copy"]
+    header += ["thr speed-up"]
+    labels = {
+        "copy": "copy_ bf16 (baseline)",
+        "dual": "dual-axis (mxfp8)",
+        "block": "32x32 block",
+        "single_dim_-1": "one axis, dim -1",
+        "single_dim_0": "one axis, dim 0",
+        "copy_fp32": "copy_ fp32 (baseline)",
+        "dual_from_master": "dual-axis from master",
+        "block_from_master": "32x32 from master",
+        "single_dim_-1_from_master": "one axis -1 from master",
+        "cast_then_dual": "cast to bf16, then dual",
+    }
+    rows = []
+    for name, label in labels.items():
+        row = [label, r["bytes_per_element"][name]]
+        for nt in counts:
+            b = r["bandwidth"][nt][name]
+            row += [b["ms"], b["gb_per_s"], b["x_copy_time"], b["of_copy_bandwidth"]]
+        row.append(r["thread_speedup"][name])
+        rows.append(row)
+    print_table("\n  x copy: time over the copy_ of the same source dtype in the same rounds "
+                "(bf16 ops vs bf16 copy_, master ops vs fp32 copy_); BW/copy: bytes moved per "
+                "second over the copy's; thr speed-up: 1-thread time / "
+                f"{r['threads']}-thread time", header, rows)
+    if r["speedup_vs_torchao"]["dual"] is not None:
+        print(f"\n  torchao to_mx: dual {ms['torchao_to_mx_dual']:.4g} ms "
+              f"(zrw {sp['dual']:.0f}x faster), one axis {ms['torchao_to_mx_single']:.4g} ms "
+              f"(zrw {sp['single_dim_-1']:.0f}x faster)")
+    print(f"  output memory: {r['allocator']}")
     if ms["dual_fresh_output_pages"] is not None:
         fresh = ms["dual_fresh_output_pages"]
         print(f"  dual-axis with fresh output pages: {fresh:.3g} ms "
               f"({fresh / ms['copy']:.2f}x copy; +{fresh - ms['dual']:.3g} ms of page faults)")
-    print(f"  dual-axis on 1 thread: {ms['dual_1_thread']:.3g} ms = "
-          f"{ms['dual_1_thread'] / ms['copy_1_thread']:.2f}x a 1-thread copy "
-          f"(speed-up from 1 to {r['threads']} threads: {r['thread_speedup_dual']:.2f}x)")
     print(f"  mx_matmul {args.mm}^3: {ms['mx_matmul']:.4g} ms vs bf16 torch.matmul "
           f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time "
           f"(inner GEMM: {'/'.join(r['mx_matmul_gemm_ran'])}; native BF16: "
           f"{'yes' if r['native_bf16'] else 'no'})")
+    if r["mx_matmul_fp32_gemm_over_fp32_matmul"] is not None:
+        print(f"  mx_matmul {args.mm}^3 on the FP32 GEMM path (ZRW_CPU_GEMM=fp32, bf16 result): "
+              f"{ms['mx_matmul_fp32_gemm']:.4g} ms vs fp32 torch.matmul {ms['matmul_fp32']:.4g} "
+              f"ms -> {r['mx_matmul_fp32_gemm_over_fp32_matmul']:.2f}x the fp32 time")
