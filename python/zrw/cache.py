@@ -115,6 +115,19 @@ def _check_weight(op: str, w, arg: str = "w") -> Tensor:
     return w
 
 
+def _export_error(op: str, what: str) -> RuntimeError:
+    """The weight cache is eager-only: under torch.export (and pipelining's `pipeline()`, which
+    traces with it) the release decision would be made on fake weights and frozen into the
+    graph, and zrw's autograd functions would be traced into forward-only ops (the exported
+    graph has no backward). Refused with this error, which says what to do instead."""
+    return RuntimeError(
+        f"{op}: {what} cannot be traced by torch.export: zrw's weight cache is eager-only "
+        "(the graph would fix whether a weight is released at trace time and lose zrw's "
+        "autograd functions, so it could not train). For pipeline parallelism build each "
+        "stage by hand, torch.distributed.pipelining.PipelineStage(submodule, stage_index, "
+        "num_stages, device), instead of pipeline() (README: Pipeline parallelism)")
+
+
 def _check_fill(op: str, fill) -> None:
     if not isinstance(fill, str):
         raise TypeError(f"{op}: fill must be a str, one of {FILLS}, got {type(fill).__name__}")
@@ -182,6 +195,9 @@ def quant_and_release(
         raise TypeError(f"{op}: scale_mode must be a str, got {type(scale_mode).__name__}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"{op}: name must be a str or None, got {type(name).__name__}")
+    if torch.compiler.is_exporting():
+        shown = name or weight_name(w)  # (torch.export traces fake copies: they have no name)
+        raise _export_error(op, f"the zrw weight {shown!r}" if shown else "a zrw layer's weight")
     release = release and release_enabled()
     if (release and require_owner and trainable and torch.is_grad_enabled()
             and (not is_owned(w) or getattr(w, "_zrw_hold", False)
@@ -621,6 +637,9 @@ def cache_stats() -> Dict[str, int]:
     restored_bytes (released storages given bytes again, since cache_clear), hits, misses, step,
     and skip_<reason> counts: release_false, no_grad, non_leaf, frozen, flat_buffer (storage
     larger than the tensor or at an offset), aliased (storage shared)."""
+    if torch.compiler.is_exporting():
+        raise _export_error("zrw.cache.cache_stats",
+                            "a converted model (its forward reads the cache)")
     names, values = torch.ops.zrw.cache_stats()
     return dict(zip(names, values))
 

@@ -130,9 +130,26 @@ def main_grad_owner(weight: Tensor) -> Tensor:
     return weight if param is None else param
 
 
+def _engine_accumulates(owner: Tensor) -> bool:
+    """Whether the running backward pass would accumulate a gradient into `owner` (a leaf):
+    False inside `torch.autograd.grad(outputs, inputs)` / `backward(inputs=...)` that do not
+    ask for it, which leave `.grad` alone and so must leave `main_grad` alone too (e.g. the
+    metadata inference of torch.distributed.pipelining's PipelineStage, which runs a backward
+    on empty inputs for the input gradients' shapes). Where torch cannot tell (an
+    `autograd.grad` that asks for `owner` itself, a call outside backward): True."""
+    try:
+        node = torch.autograd.graph.get_gradient_edge(owner).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):
+        return True
+
+
 def accumulate_main_grad(owner: Tensor, grad: Tensor) -> None:
     """Megatron-style: add the FP32 gradient `grad` (of owner's local shard, for a DTensor
-    owner) into `owner.main_grad`, creating it at the first backward of a step."""
+    owner) into `owner.main_grad`, creating it at the first backward of a step. Nothing is
+    added by a backward pass that does not accumulate into `owner` (`_engine_accumulates`)."""
+    if not _engine_accumulates(owner):
+        return
     g = wrap_like(owner, grad)
     if getattr(owner, "main_grad", None) is None:
         owner.main_grad = g
