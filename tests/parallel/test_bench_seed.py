@@ -1,6 +1,7 @@
 """`python -m zrw.bench seed` end to end at tiny shapes (the full-size run is not a test: it
 needs several GiB and minutes; its table is in the README). The seed's three configurations,
-on their real rank counts (1; TP=4; EP=2 with TP=2), gloo ranks spawned by the benchmark."""
+on their real rank counts (1; TP=4; EP=2 with TP=2), and the pipeline-parallel one (PP=2,
+Schedule1F1B), gloo ranks spawned by the benchmark."""
 import json
 import os
 import subprocess
@@ -16,13 +17,18 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 
 
-def test_bench_seed_tiny_json():
+def run_tiny(config, steps=STEPS):
     out = subprocess.run([sys.executable, "-m", "zrw.bench", "seed", "--tiny", "--tokens", "32",
-                          "--steps", str(STEPS), "--json"], capture_output=True, text=True,
-                         timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                          "--config", config, "--steps", str(steps), "--json"],
+                         capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    configs = {c["config"]: c for c in res["configs"]}
+    return {c["config"]: c for c in res["configs"]}
+
+
+def test_bench_seed_tiny_json():
+    configs = run_tiny("5.1,5.2,5.3")
     assert sorted(configs) == ["5.1", "5.2", "5.3"]
     expect_world = {"5.1": 1, "5.2": 4, "5.3": 2}
     for name, c in configs.items():
@@ -48,3 +54,30 @@ def test_bench_seed_tiny_json():
     # TP=4 splits the layer's weights in four; EP=2 gives each rank half the experts
     assert configs["5.2"]["ranks"][0]["converted_params"] == \
         configs["5.1"]["ranks"][0]["converted_params"] * 6 // 2 // 4
+
+
+def test_bench_seed_pp_tiny_json():
+    """The PP row: 5.2's model (6 layers) as 2 pipeline stages of 3 layers on 2 gloo ranks,
+    Schedule1F1B; per rank the converted weights of its 3 layers, 2N of them released, the
+    window saving equal to it, the losses (the last stage's, on every rank) bit for bit."""
+    steps = 6
+    c = run_tiny("pp", steps)["pp"]
+    assert c["tiny"] and c["world"] == 2 and c["pp"] == 2 and c["tp"] == 1
+    assert c["layers_run"] == c["seed_layers"] == 6 and c["scale"] == 1
+    assert c["layers_per_rank"] == 3 and c["seed"] is None
+    assert len(c["ranks"]) == 2
+    for r in c["ranks"]:
+        theory = r["theory_2N_bytes"]
+        assert r["layers_held"] == 3
+        assert r["converted_params"] == r["converted_params_per_layer_formula"] * 3
+        assert theory == 2 * r["converted_params"] and r["released_bytes"] == theory
+        tol = max(64, theory // 100)
+        assert abs(r["window_saving_bytes"] - theory) <= tol, r
+        per_step = r["window_saving_per_step_bytes"][1:]
+        assert len(per_step) == steps - 1
+        assert sum(abs(v - theory) <= tol for v in per_step) > len(per_step) // 2, r
+        assert 0 < r["global_saving_bytes"] <= theory + tol, r
+        assert r["losses_bitwise_equal"] and len(r["losses_after"]) == 2 * steps
+        assert r["scaled_window_saving_vs_seed"] is None
+    # every rank reports the pipeline's losses: the last stage's
+    assert c["ranks"][0]["losses_after"] == c["ranks"][1]["losses_after"]

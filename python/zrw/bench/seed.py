@@ -4,13 +4,19 @@ The seed (zero_redundancy_weight_design.txt §5) measured the zero-redundancy sa
   5.1  Qwen3-32B, 2 layers, one card                      1,860.25 MiB saved
   5.2  Qwen3-32B, 6 layers, tensor parallel TP=4          1,402.5 MiB per card
   5.3  Qwen3-30B-A3B (MoE), 2 layers, expert parallel EP=2, 8 experts per card   848 MiB per card
+and, with no figure of the seed's to compare with, one run the seed did not make:
+  pp   Qwen3-32B, 6 layers, pipeline parallel PP=2 (torch.distributed.pipelining, 1F1B)
 This benchmark builds, with transformers model classes and random init, the model slice each card
 holds in those runs, with the real shapes (Qwen3-32B: hidden 5120, 64 heads / 8 KV heads of dim
 128, FFN 25600; Qwen3-30B-A3B: hidden 2048, 32 heads / 4 KV heads of dim 128, expert FFN 768,
 top-8 routing) and a small vocabulary (embeddings and the head are not converted). TP and EP run
 on real process groups (gloo ranks spawned here) through transformers' own engine
 (DistributedConfig(tp_size=4); DistributedConfig(ep_size=2, tp_size=2): transformers requires
-ep_size to divide fsdp_size x tp_size, so at EP=2 on 2 ranks the attention runs at TP=2).
+ep_size to divide fsdp_size x tp_size, so at EP=2 on 2 ranks the attention runs at TP=2). PP runs
+on gloo ranks too: each rank builds its stage's decoder layers (the first also the embedding,
+the last the norm and head), wraps them in a hand-built PipelineStage (pipeline()'s torch.export
+tracing cannot trace zrw's eager weight cache) and Schedule1F1B drives them; each rank's
+optimizer steps after schedule.step().
 
 Each rank trains 3 steps x 2 micro-batches twice, in one process: MXFP8 with the FP8 cache but
 no release ("before") and zero-redundancy ("after"), Megatron-style (zrw.convert(...,
@@ -37,6 +43,7 @@ so). Shapes never shrink; --tiny runs tiny shapes (for the tests).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -64,6 +71,10 @@ SEED_RUNS = {
     "5.3": dict(title="Qwen3-30B-A3B, 2 layers, EP=2 x 8 experts per card (transformers "
                 "ep_plan; attention at TP=2)", kind="moe", layers=2, world=2, tp=2, ep=2,
                 seed_before=41519.62, seed_after=40671.62),
+    # Not a seed run (no figure to compare with): the 5.2 model's 6 layers as 2 pipeline stages.
+    "pp": dict(title="Qwen3-32B, 6 layers, PP=2 (torch.distributed.pipelining, Schedule1F1B; "
+               "3 layers per stage)", kind="dense", layers=6, world=2, tp=1, ep=1, pp=2,
+               seed_before=None, seed_after=None),
 }
 DENSE_32B = dict(hidden=5120, heads=64, kv_heads=8, head_dim=128, ffn=25600)
 MOE_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, moe_ffn=768,
@@ -111,6 +122,30 @@ def build(kind: str, s: dict, layers: int, seed: int = 0):
     return cls._from_config(cfg, dtype=torch.bfloat16).train()
 
 
+class _PPStage(torch.nn.Module):
+    """One pipeline stage of a Qwen3ForCausalLM holding only this stage's decoder layers: the
+    embedding on the first stage, the final norm and head on the last."""
+
+    def __init__(self, model, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed_tokens = model.model.embed_tokens
+        self.layers = model.model.layers
+        self.rotary_emb = model.model.rotary_emb
+        if last:
+            self.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x):
+        h = self.embed_tokens(x) if self.first else x
+        pos = torch.arange(h.shape[1]).unsqueeze(0)
+        pe = self.rotary_emb(h, pos)
+        for layer in self.layers:
+            h = layer(h, position_ids=pos, position_embeddings=pe)
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
 @dataclass
 class ModeResult:
     losses: List[float] = field(default_factory=list)
@@ -120,8 +155,8 @@ class ModeResult:
 
 
 def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (ModeResult, dict):
-    import torch.distributed as dist
-
+    if run.get("pp"):
+        return _train_mode_pp(mode, run, s, layers, args)
     model = build(run["kind"], s, layers)
     summary = zrw.convert(model, "mxfp8", release=(mode == "after"), main_grad=True)
     if run["world"] > 1:
@@ -151,30 +186,113 @@ def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (Mode
     g = torch.Generator().manual_seed(1)
     data = [[torch.randint(0, VOCAB, (1, args["tokens"]), generator=g)
              for _ in range(args["micro_batches"])] for _ in range(args["steps"])]
-    # Python's cyclic garbage collector would free objects at moments that differ from run to
-    # run (and mode to mode): collect before each step and keep it off inside, so that both
-    # modes' peaks count the same objects.
+
+    _measured_loop(data, opt, functools.partial(_micro_batches, model, res.losses), run["world"])
+    res.released_bytes = marks["released"]
+    info = {"local_elements": psum.local_elements, "converted_modules": len(summary.converted)}
+    del model, opt
+    cache.cache_clear()
+    return res, info
+
+
+def _micro_batches(model, losses: List[float], step) -> None:
+    """One step's micro-batches through a whole model (the ranks' shards under TP/EP)."""
+    for ids in step:
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss / len(step)).backward()
+        losses.append(loss.item())
+        del loss
+
+
+def _pp_step(sched, first: bool, last: bool, micro: int, losses: List[float], ids) -> None:
+    """One step's micro-batches through the pipeline: schedule.step() on this rank's stage (the
+    first stage takes the inputs, the last the targets and gives the losses)."""
+    got: Optional[list] = [] if last else None
+    sched.step(*((ids,) if first else ()), target=ids if last else None, losses=got)
+    if last:
+        losses.extend((t * micro).item() for t in got)  # loss_fn divided them by micro
+        got.clear()
+
+
+def _measured_loop(data, opt, step_fn, world: int) -> None:
+    """The training loop of both modes: per step, collect garbage, line the ranks up, reset the
+    peak, run the step's micro-batches (step_fn), step the optimizer (whose hooks read the
+    peaks). Python's cyclic collector stays off inside a step, so both modes' peaks count the
+    same objects."""
+    import torch.distributed as dist
+
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for step in data:
             gc.collect()
-            if run["world"] > 1:
+            if world > 1:
                 dist.barrier()
             memory.reset_peak()
-            for ids in step:
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss / len(step)).backward()
-                res.losses.append(loss.item())
-                del loss
+            step_fn(step)
             opt.step()
             opt.zero_grad(set_to_none=True)
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def _train_mode_pp(mode: str, run: dict, s: dict, layers: int, args: dict) -> (ModeResult, dict):
+    """One rank of the PP configuration: this rank's stage (layers // pp decoder layers, built
+    alone: random init, seed = rank), a PipelineStage given its shapes (so no metadata
+    inference runs), Schedule1F1B over the micro-batches, MasterWeights(SGD) over the stage's
+    parameters stepped after schedule.step(). main_grad as in the other configurations: the
+    schedules' scale_grads divides `.grad` only, so the loss is divided by the micro-batch count
+    instead (scale_grads=False)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed import pipelining
+
+    rank, pp = dist.get_rank(), run["pp"]
+    first, last = rank == 0, rank == pp - 1
+    model = build(run["kind"], s, layers // pp, seed=rank)
+    summary = zrw.convert(model, "mxfp8", release=(mode == "after"), main_grad=True)
+    stage_mod = _PPStage(model, first, last)
+    del model  # what another stage holds (this rank's copy of the embedding or the head)
+    psum = zrw.parallel.prepare(stage_mod)
+    micro, tokens = args["micro_batches"], args["tokens"]
+    hidden = torch.empty(1, tokens, s["hidden"], dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.empty(1, tokens, VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    stage = pipelining.PipelineStage(
+        stage_mod, rank, pp, torch.device("cpu"),
+        input_args=torch.zeros(1, tokens, dtype=torch.long) if first else hidden,
+        output_args=logits if last else hidden)
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.float().reshape(-1, VOCAB), target.reshape(-1)) / micro
+
+    sched = pipelining.Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn,
+                                    scale_grads=False)
+    opt = MasterWeights(torch.optim.SGD, stage_mod.parameters(), lr=1e-4)
+    res = ModeResult()
+    marks: Dict[str, int] = {}
+
+    def window_end(o, a, k):  # the end of schedule.step(), before zrw's boundary
+        res.window_peaks.append(memory.peak())
+        marks["released"] = cache.cache_stats()["released_bytes"]
+
+    opt.register_step_pre_hook(window_end)
+    attach(opt)
+    opt.register_step_pre_hook(lambda o, a, k: memory.reset_peak())
+    opt.register_step_post_hook(lambda o, a, k: res.optimizer_peaks.append(memory.peak()))
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (micro, tokens), generator=g) for _ in range(args["steps"])]
+    losses: List[float] = []
+
+    _measured_loop(data, opt, functools.partial(_pp_step, sched, first, last, micro, losses),
+                   run["world"])
+    shared = [losses]
+    dist.broadcast_object_list(shared, src=pp - 1)  # the last stage's losses, on every rank
+    res.losses = shared[0]
     res.released_bytes = marks["released"]
-    info = {"local_elements": psum.local_elements, "converted_modules": len(summary.converted)}
-    del model, opt
+    info = {"local_elements": psum.local_elements, "converted_modules": len(summary.converted),
+            "stage": rank, "layers_per_rank": layers // pp}
+    del sched, stage, stage_mod, opt
     cache.cache_clear()
     return res, info
 
@@ -234,15 +352,20 @@ def mem_available() -> int:
 
 def plan_layers(run: dict, s: dict, budget: int, requested: Optional[int]) -> (int, int):
     """(layers to run, estimated host bytes for them): the seed's count, or as many as the
-    budget holds (at least one: shapes are never shrunk)."""
+    budget holds (at least one: shapes are never shrunk). With PP, a whole number of layers per
+    stage (at least one), each layer on one rank only."""
     per_layer = converted_per_layer(run["kind"], s, run["tp"], run["ep"]) * STATE_BYTES
     fixed = run["world"] * PROCESS_BYTES
+    pp = run.get("pp", 0)
+    holders = 1 if pp else run["world"]  # ranks that hold a shard of each layer
+    unit = pp or 1  # layers run in multiples of this
     if requested is not None:
         layers = max(1, min(requested, run["layers"]))
     else:
-        fit = int((budget - fixed) // (per_layer * run["world"])) if budget > fixed else 0
+        fit = int((budget - fixed) // (per_layer * holders)) if budget > fixed else 0
         layers = max(1, min(run["layers"], fit))
-    return layers, int(fixed + layers * per_layer * run["world"])
+    layers = max(unit, layers // unit * unit)
+    return layers, int(fixed + layers * per_layer * holders)
 
 
 def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
@@ -264,8 +387,10 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
             ranks = json.load(f)
     seconds = time.perf_counter() - t0
     scale = run["layers"] / n_layers
-    seed_saving = (run["seed_before"] - run["seed_after"]) * MIB
+    has_seed = run["seed_before"] is not None  # PP: the seed has no such run
+    seed_saving = (run["seed_before"] - run["seed_after"]) * MIB if has_seed else None
     per_layer = converted_per_layer(run["kind"], s, run["tp"], run["ep"])
+    per_rank_layers = n_layers // run["pp"] if run.get("pp") else n_layers
     rows = []
     for r in ranks:
         b, a = r["before"], r["after"]
@@ -284,6 +409,7 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
             "rank": r["rank"],
             "converted_params": r["local_elements"],
             "converted_params_per_layer_formula": per_layer,
+            "layers_held": per_rank_layers,
             "theory_2N_bytes": theory,
             "released_bytes": a["released_bytes"],
             "window_saving_bytes": window,
@@ -301,19 +427,20 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
             "scaled_window_saving_bytes": window * scale,
             "scaled_global_saving_bytes": (glob_b - glob_a) * scale,
             "seed_saving_bytes": seed_saving,
-            "scaled_window_saving_vs_seed": window * scale / seed_saving,
+            "scaled_window_saving_vs_seed": window * scale / seed_saving if has_seed else None,
             "losses_before": b["losses"], "losses_after": a["losses"],
             "losses_bitwise_equal": b["losses"] == a["losses"],
         })
     return {"config": name, "title": run["title"], "tiny": tiny, "shapes": s,
-            "world": run["world"], "tp": run["tp"], "ep": run["ep"],
+            "world": run["world"], "tp": run["tp"], "ep": run["ep"], "pp": run.get("pp", 1),
             "seed_layers": run["layers"], "layers_run": n_layers, "scale": scale,
+            "layers_per_rank": per_rank_layers,
             "host_budget_bytes": budget, "host_estimate_bytes": estimate,
             "host_estimate_full_bytes": plan_layers(run, s, budget, run["layers"])[1],
             "tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "steps": steps,
             "seconds": seconds, "seed": {"before_mib": run["seed_before"],
                                          "after_mib": run["seed_after"],
-                                         "saving_mib": seed_saving / MIB},
+                                         "saving_mib": seed_saving / MIB} if has_seed else None,
             "moe_explanation": moe_explanation(s) if run["kind"] == "moe" and not tiny else None,
             "ranks": rows}
 
@@ -353,18 +480,21 @@ def print_config(r: dict) -> None:
     shape = ", ".join(f"{k} {v}" for k, v in s.items())
     print(f"  shapes: {shape}, vocab {VOCAB}{' (TINY, for tests)' if r['tiny'] else ''}")
     ranks = "1 process" if r["world"] == 1 else f"{r['world']} gloo ranks on CPU"
-    print(f"  {ranks}, TP={r['tp']}, EP={r['ep']}; "
+    par = (f"PP={r['pp']} (one stage of {r['layers_per_rank']} layer(s) per rank, Schedule1F1B)"
+           if r.get("pp", 1) > 1 else f"TP={r['tp']}, EP={r['ep']}")
+    print(f"  {ranks}, {par}; "
           f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
           f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s; each saving is the "
           f"median of steps 2-{r['steps']} (per step: same data in both modes)")
+    whose = "the seed's" if r["seed"] else "5.2's"  # PP runs 5.2's model
     if r["layers_run"] < r["seed_layers"]:
-        print(f"  host memory: the seed's {r['seed_layers']} layers need ~"
+        print(f"  host memory: {whose} {r['seed_layers']} layers need ~"
               f"{r['host_estimate_full_bytes'] / 2**30:.1f} GiB for all ranks, over the budget of "
               f"{r['host_budget_bytes'] / 2**30:.1f} GiB: ran {r['layers_run']} layer(s) of the "
               f"same shapes (~{r['host_estimate_bytes'] / 2**30:.1f} GiB); the scaled figures "
               f"are x{r['scale']:g} per layer")
     else:
-        print(f"  layers: {r['layers_run']}, as in the seed (~"
+        print(f"  layers: {r['layers_run']}, as in {whose[:-2]} (~"
               f"{r['host_estimate_bytes'] / 2**30:.1f} GiB for all ranks)")
     rows = []
     for x in r["ranks"]:
@@ -379,16 +509,18 @@ def print_config(r: dict) -> None:
     print_table("", ["rank", "converted params", "theory 2N", "fwd/bwd peak MiB",
                      "window saving", "of theory",
                      "global-peak saving (peak in)", "losses bitwise"], rows)
-    seed = r["seed"]["saving_mib"]
+    seed = r["seed"]["saving_mib"] if r["seed"] else None
     scaled = [x["scaled_window_saving_bytes"] / MIB for x in r["ranks"]]
     theory = [x["scaled_theory_bytes"] / MIB for x in r["ranks"]]
     glob = [x["scaled_global_saving_bytes"] / MIB for x in r["ranks"]]
-    what = f"scaled to the seed's {r['seed_layers']} layers" if r["scale"] != 1 else \
+    what = f"scaled to {whose} {r['seed_layers']} layers" if r["scale"] != 1 else \
         f"{r['seed_layers']} layers"
     print(f"  per card, {what}: theory 2N {theory[0]:,.1f} MiB; measured window saving "
           + ", ".join(f"{v:,.1f}" for v in scaled) + " MiB; global-peak saving "
           + ", ".join(f"{v:,.1f}" for v in glob) + " MiB")
-    if r["tiny"]:
+    if seed is None:
+        print("  the seed made no pipeline-parallel run: zrw's saving against the theory only")
+    elif r["tiny"]:
         print(f"  (tiny shapes: not comparable with the seed's {seed:,.2f} MiB)")
     else:
         print(f"  the seed measured {seed:,.2f} MiB per card ({r['seed']['before_mib']:,.2f} -> "
@@ -412,7 +544,8 @@ def print_config(r: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m zrw.bench seed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="all", help="5.1, 5.2, 5.3, a comma-separated list, or all")
+    p.add_argument("--config", default="all",
+                   help="5.1, 5.2, 5.3, pp, a comma-separated list, or all")
     p.add_argument("--layers", type=int, default=None,
                    help="layers to run (default: the seed's, or as many as --mem-gib holds)")
     p.add_argument("--mem-gib", type=float, default=None,
@@ -429,7 +562,7 @@ def main(argv=None) -> None:
     names = list(SEED_RUNS) if args.config == "all" else args.config.split(",")
     for n in names:
         if n not in SEED_RUNS:
-            p.error(f"--config must be 5.1, 5.2, 5.3 or all, got {n!r}")
+            p.error(f"--config must be 5.1, 5.2, 5.3, pp or all, got {n!r}")
     if args.steps < 2:
         p.error(f"--steps must be at least 2 (the first step's peaks are not measured), got "
                 f"{args.steps}")
