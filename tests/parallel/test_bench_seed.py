@@ -1,7 +1,8 @@
 """`python -m zrw.bench seed` end to end at tiny shapes (the full-size run is not a test: it
 needs several GiB and minutes; its table is in the README). The seed's three configurations,
-on their real rank counts (1; TP=4; EP=2 with TP=2), and the pipeline-parallel one (PP=2,
-Schedule1F1B), gloo ranks spawned by the benchmark."""
+on their real rank counts (1; TP=4; EP=2 with TP=2), the pipeline-parallel one (PP=2,
+Schedule1F1B) and the 2-D one (TP=2 x FSDP2=2 on 4 ranks), gloo ranks spawned by the
+benchmark."""
 import json
 import os
 import subprocess
@@ -81,3 +82,19 @@ def test_bench_seed_pp_tiny_json():
         assert r["scaled_window_saving_vs_seed"] is None
     # every rank reports the pipeline's losses: the last stage's
     assert c["ranks"][0]["losses_after"] == c["ranks"][1]["losses_after"]
+
+
+def test_bench_seed_2d_tiny_json():
+    """The 2-D row: 5.2's model at TP=2 x FSDP2=2 on 4 gloo ranks, FSDP2's BF16 all-gather
+    ("before") against zrw's MXFP8 all-gather ("after"), the same zrw layers."""
+    c = run_tiny("5.2-2d", 3)["5.2-2d"]
+    assert c["tiny"] and c["world"] == 4 and (c["dp"], c["tp"]) == (2, 2)
+    assert len(c["ranks"]) == 4
+    for r in c["ranks"]:
+        # the same MXFP8 numerics in both modes: only the all-gather differs
+        assert r["losses_bitwise_equal"], (r["losses_before"], r["losses_after"])
+        # every step gathers fewer bytes (the tiny model's norms, embeddings and head, gathered
+        # in BF16 in both modes, weigh more here than at the real shapes: 0.521x there)
+        assert all(a < 0.7 * b for a, b in zip(r["gathered_bytes_after"],
+                                                r["gathered_bytes_before"]))
+        assert r["window_saving_bytes"] > 0 and r["theory_bytes"] > 0

@@ -57,6 +57,7 @@ import torch
 
 import zrw
 from zrw import cache, memory
+from zrw.bench import seed_2d
 from zrw.bench._timing import print_table
 from zrw.optim import MasterWeights, attach
 
@@ -545,7 +546,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m zrw.bench seed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="all",
-                   help="5.1, 5.2, 5.3, pp, a comma-separated list, or all")
+                   help="5.1, 5.2, 5.3, pp, 5.2-2d (TP=2 x FSDP2=2), a comma-separated list, "
+                        "or all")
     p.add_argument("--layers", type=int, default=None,
                    help="layers to run (default: the seed's, or as many as --mem-gib holds)")
     p.add_argument("--mem-gib", type=float, default=None,
@@ -559,20 +561,29 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the tests' run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
-    names = list(SEED_RUNS) if args.config == "all" else args.config.split(",")
+    configs = [*SEED_RUNS, "5.2-2d"]
+    names = configs if args.config == "all" else args.config.split(",")
     for n in names:
-        if n not in SEED_RUNS:
-            p.error(f"--config must be 5.1, 5.2, 5.3, pp or all, got {n!r}")
+        if n not in configs:
+            p.error(f"--config must be one of {', '.join(configs)} or all, got {n!r}")
     if args.steps < 2:
         p.error(f"--steps must be at least 2 (the first step's peaks are not measured), got "
                 f"{args.steps}")
     budget = None if args.mem_gib is None else int(args.mem_gib * 2 ** 30)
     results = [run_config(n, args.tiny, budget, args.layers, args.tokens, args.micro_batches,
-                          args.steps, args.threads) for n in names]
+                          args.steps, args.threads) if n in SEED_RUNS else
+               seed_2d.run(build, shapes("dense", args.tiny), args.tiny,
+                           int(0.5 * mem_available()) if budget is None else budget,
+                           args.layers, args.tokens, args.micro_batches, args.steps,
+                           args.threads, SEED_RUNS["5.2"]["layers"], PROCESS_BYTES, _free_port)
+               for n in names]
     if args.json:
         print(json.dumps({"configs": results}))
         return
     print(f"zrw {zrw.__version__}: the seed's zero-redundancy memory table, per rank "
           f"(CPU, gloo ranks, zrw.memory's counting allocator; kernel ISA {zrw._C.cpu_isa()})")
     for r in results:
-        print_config(r)
+        if r["config"] == "5.2-2d":
+            seed_2d.print_2d(r)
+        else:
+            print_config(r)
