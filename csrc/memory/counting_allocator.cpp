@@ -81,8 +81,8 @@ class CountingAllocator final : public c10::Allocator {
       }
       fail_count_.fetch_sub(1);
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.memory: injected allocation failure (",
-                     n, " bytes; zrw.memory.fail_allocations)");
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.testing: injected allocation failure (",
+                     n, " bytes; zrw.testing.fail_allocations)");
   }
 
   c10::Allocator* base_;
