@@ -5,7 +5,6 @@ MXFP8 all-gather, and writes what the test checks (losses, updated weights, gath
 all-gather bytes counted at the process group, shard quantization counts) to a JSON/pt file.
 """
 import argparse
-import contextlib
 import os
 import warnings
 
@@ -14,32 +13,6 @@ import torch.distributed as dist
 
 from helpers import ranks
 from helpers.fsdp_runs import build
-
-
-@contextlib.contextmanager
-def count_gathered_bytes():
-    """The test's own byte count, independent of zrw's: wrap the process group's all-gather
-    entry points (ProcessGroup.all_gather_single, what FSDP2 calls, and _allgather_base)."""
-    from torch.distributed import ProcessGroup
-
-    counts = {"bytes": 0}
-    saved = {}
-    for meth in ("all_gather_single", "_allgather_base"):
-        orig = getattr(ProcessGroup, meth, None)
-        if orig is None:
-            continue
-        saved[meth] = orig
-
-        def wrapper(self, out, inp, *a, _orig=orig, **k):
-            counts["bytes"] += out.numel() * out.element_size()
-            return _orig(self, out, inp, *a, **k)
-
-        setattr(ProcessGroup, meth, wrapper)
-    try:
-        yield counts
-    finally:
-        for meth, orig in saved.items():
-            setattr(ProcessGroup, meth, orig)
 
 
 def batches(args):
@@ -131,7 +104,7 @@ def run_fsdp(args):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
     q0 = zrw.fsdp.stats()["shard_quantizations"]
     per_step_bytes = []
-    with count_gathered_bytes() as counts:
+    with ranks.count_gathered_bytes() as counts:
         for step in range(args.steps):
             before = counts["bytes"]
             for mb in range(args.micro_batches):

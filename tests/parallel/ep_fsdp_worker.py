@@ -9,7 +9,6 @@ distributed_config=...) runs). Modes: zrw with release on and off, bf16 (the sam
 zrw: FSDP2's BF16 all-gather), and rank 0 alone unsharded (zrw, release on) on the global batch.
 """
 import argparse
-import contextlib
 import os
 import warnings
 
@@ -37,31 +36,6 @@ def batches(args):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (args.world, 16), generator=g)
             for _ in range(args.steps * args.micro_batches)]
-
-
-@contextlib.contextmanager
-def count_gathered_bytes():
-    from torch.distributed import ProcessGroup
-
-    counts = {"bytes": 0, "calls": []}  # total, and each collective's output bytes
-    saved = {}
-    for meth in ("all_gather_single", "_allgather_base"):
-        orig = getattr(ProcessGroup, meth, None)
-        if orig is None:
-            continue
-        saved[meth] = orig
-
-        def wrapper(self, out, inp, *a, _orig=orig, **k):
-            counts["bytes"] += out.numel() * out.element_size()
-            counts["calls"].append(out.numel() * out.element_size())
-            return _orig(self, out, inp, *a, **k)
-
-        setattr(ProcessGroup, meth, wrapper)
-    try:
-        yield counts
-    finally:
-        for meth, orig in saved.items():
-            setattr(ProcessGroup, meth, orig)
 
 
 def converted(model):
@@ -98,7 +72,7 @@ def run_sharded(args, mode):
     data = batches(args)
     losses, per_step = [], []
     q0 = zrw.fsdp.stats()["shard_quantizations"]
-    with count_gathered_bytes() as counts:
+    with ranks.count_gathered_bytes() as counts:
         for step in range(args.steps):
             before = counts["bytes"]
             for mb in range(args.micro_batches):
@@ -112,7 +86,7 @@ def run_sharded(args, mode):
             opt.step()
             opt.zero_grad()
     stats = zrw.cache.cache_stats()
-    return {"losses": losses, "per_step_bytes": per_step, "calls": counts["calls"],
+    return {"losses": losses, "per_step_bytes": per_step, "calls": counts["sizes"],
             "layer_other_bytes": 2 * other,
             "converted": names,
             "quantizations": zrw.fsdp.stats()["shard_quantizations"] - q0,

@@ -11,7 +11,6 @@ Rank 0 writes losses, the final weights (full tensors), the all-gather bytes per
 shard quantizations and any zrw.fsdp warnings to --out.
 """
 import argparse
-import contextlib
 import os
 import warnings
 
@@ -58,31 +57,6 @@ def batches(args):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(args.dp * args.tokens, args.d, generator=g)
             for _ in range(args.steps * args.micro_batches)]
-
-
-@contextlib.contextmanager
-def count_gathered_bytes():
-    """The test's own count of all-gathered bytes at the process group (what FSDP2 calls)."""
-    from torch.distributed import ProcessGroup
-
-    counts = {"bytes": 0}
-    saved = {}
-    for meth in ("all_gather_single", "_allgather_base"):
-        orig = getattr(ProcessGroup, meth, None)
-        if orig is None:
-            continue
-        saved[meth] = orig
-
-        def wrapper(self, out, inp, *a, _orig=orig, **k):
-            counts["bytes"] += out.numel() * out.element_size()
-            return _orig(self, out, inp, *a, **k)
-
-        setattr(ProcessGroup, meth, wrapper)
-    try:
-        yield counts
-    finally:
-        for meth, orig in saved.items():
-            setattr(ProcessGroup, meth, orig)
 
 
 def run_single(args):
@@ -178,7 +152,7 @@ def run_2d(args, release=True):
         if isinstance(mod, zrw.nn.MXLinear):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
     q0 = zrw.fsdp.stats()["shard_quantizations"]
-    with count_gathered_bytes() as counts:
+    with ranks.count_gathered_bytes() as counts:
         losses, per_step = train_2d(model, opt, mesh, args, data, range(args.steps), counts)
     quantizations = zrw.fsdp.stats()["shard_quantizations"] - q0
     resident = {name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())

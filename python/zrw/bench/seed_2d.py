@@ -20,7 +20,6 @@ next one while the current computes: two.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -32,6 +31,7 @@ import torch
 
 import zrw
 import zrw.fsdp
+import zrw.testing
 from zrw import memory
 from zrw.bench._timing import print_table
 
@@ -59,30 +59,6 @@ def plan_layers(s: dict, budget: int, requested: Optional[int], seed_layers: int
     fixed = DP * TP * process_bytes
     fit = int((budget - fixed) // per_layer) if budget > fixed else 0
     return max(1, min(seed_layers, fit))
-
-
-@contextlib.contextmanager
-def _gathered_bytes():
-    from torch.distributed import ProcessGroup
-
-    counts = {"bytes": 0}
-    saved = {}
-    for meth in ("all_gather_single", "_allgather_base"):
-        orig = getattr(ProcessGroup, meth, None)
-        if orig is None:
-            continue
-        saved[meth] = orig
-
-        def wrapper(self, out, inp, *a, _orig=orig, **k):
-            counts["bytes"] += out.numel() * out.element_size()
-            return _orig(self, out, inp, *a, **k)
-
-        setattr(ProcessGroup, meth, wrapper)
-    try:
-        yield counts
-    finally:
-        for meth, orig in saved.items():
-            setattr(ProcessGroup, meth, orig)
 
 
 def _train(mode: str, build, s: dict, layers: int, args: dict, mesh) -> dict:
@@ -130,7 +106,7 @@ def _train(mode: str, build, s: dict, layers: int, args: dict, mesh) -> dict:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with _gathered_bytes() as counts:
+        with zrw.testing.count_all_gather_bytes() as counts:
             for step in data:
                 gc.collect()
                 dist.barrier()
