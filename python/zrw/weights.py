@@ -60,7 +60,7 @@ def _check_policy(op: str, policy) -> WeightPolicy:
     return policy
 
 
-def _check_recipe(op: str, recipe) -> QuantRecipe:
+def check_recipe(op: str, recipe) -> QuantRecipe:
     if not isinstance(recipe, QuantRecipe):
         raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
                         f"{type(recipe).__name__}")
@@ -73,7 +73,7 @@ def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release
     """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
     view of it) is (`requires_grad`)."""
     check_tensor("zrw.parallel.quant_local", "owner", owner)
-    _check_recipe("zrw.parallel.quant_local", recipe)
+    check_recipe("zrw.parallel.quant_local", recipe)
     return cache.quant_and_release(owner, recipe.cache_layout, release,
                                    release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                    scale_mode=recipe.scale_mode, name=name,

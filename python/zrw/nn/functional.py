@@ -32,7 +32,7 @@ from .._dtensor import (
 )
 from ..config import QuantRecipe, get_recipe
 from ..planes import MXPlanesCarrier, MXWeight
-from ..weights import WeightPolicy, accumulate_main_grad, quant_local, weight_planes
+from ..weights import WeightPolicy, accumulate_main_grad, check_recipe, quant_local, weight_planes
 from ..weights import main_grad_owner as _main_grad_owner
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -267,9 +267,7 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
     check_tensor(op, "x", x)
     if bias is not None:
         check_tensor(op, "bias", bias)
-    if not isinstance(recipe, QuantRecipe):
-        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
-                        f"{type(recipe).__name__}")
+    check_recipe(op, recipe)
     owner = weight._local_tensor
     # FSDP2 x TP: the gathered TP-local weight carries its MX planes (zrw.fsdp).
     carrier = isinstance(owner, MXPlanesCarrier)
