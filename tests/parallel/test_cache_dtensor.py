@@ -100,6 +100,16 @@ try:
 except TypeError as e:
     assert "'0.bias' is a DTensor" in str(e) and "torch.distributed.checkpoint" in str(e), e
 assert cache.is_released(model[0].weight)
+# A weight sharded over a 2-d mesh reaches the layers only through FSDP2 (its gathered TP-local
+# weight is a 1-d DTensor): check_placements says where the 2-d layout goes instead.
+mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+w2 = distribute_tensor(full.bfloat16(), mesh2, [Shard(0), Shard(1)])
+try:
+    zrw.parallel.check_placements(w2, "two.weight")
+    raise SystemExit("check_placements accepted a 2-d mesh")
+except ValueError as e:
+    assert "'two.weight' is a DTensor on a 2-d device mesh" in str(e), e
+    assert "call zrw.fsdp.prepare(model) after parallelize_module" in str(e), e
 del opt, model, twin
 cache.cache_clear()
 dist.destroy_process_group()
