@@ -36,6 +36,14 @@ PyObject* cpu_reset_gemm_counts(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+PyObject* cpu_matmul_workspace_bytes(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(zrw::cpu::matmul_workspace_bytes());
+}
+
+PyObject* cpu_free_matmul_workspace(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(zrw::cpu::free_matmul_workspace());
+}
+
 PyObject* cpu_native_bf16(PyObject*, PyObject*) {
   return PyBool_FromLong(zrw::cpu::cpu_has_native_bf16());
 }
@@ -99,6 +107,10 @@ PyMethodDef zrw_methods[] = {
     {"cpu_gemm_counts", cpu_gemm_counts, METH_NOARGS,
      "mx_matmul calls per GEMM since the last reset: fp32, bf16, bf16_to_fp32 (extremes)."},
     {"cpu_reset_gemm_counts", cpu_reset_gemm_counts, METH_NOARGS, "Zero cpu_gemm_counts()."},
+    {"cpu_matmul_workspace_bytes", cpu_matmul_workspace_bytes, METH_NOARGS,
+     "Bytes held by mx_matmul's persistent CPU tile workspace."},
+    {"cpu_free_matmul_workspace", cpu_free_matmul_workspace, METH_NOARGS,
+     "Free mx_matmul's CPU tile workspace; returns the bytes dropped."},
     {"cpu_native_bf16", cpu_native_bf16, METH_NOARGS,
      "Whether this CPU has native BF16 dot products (avx512_bf16, AMX-BF16, Arm BF16)."},
     {"scale_modes", scale_modes, METH_NOARGS, "The MX scale rules the ops accept."},

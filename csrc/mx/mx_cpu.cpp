@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "../common/checks.h"
@@ -237,36 +238,15 @@ inline uint16_t bf16_bits_exact(float v) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// The dequantization kernels write fp32; a bf16 tile goes through a small fp32 chunk (L1) and
-// keeps the top half of each value's bits.
-constexpr int64_t kChunk = 1024;  // a multiple of the block size
-
-inline void to_bf16(const float* in, int64_t n, uint16_t* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = bf16_bits_exact(in[j]);
-}
-
-// n elements dequantized by `kernel(j, m, out)` (elements [j, j + m) into out) in L1-sized fp32
-// chunks, kept as bf16.
-template <typename Kernel>
-inline void chunked_bf16(int64_t n, uint16_t* o, Kernel kernel) {
-  float tmp[kChunk];
-  for (int64_t j = 0; j < n; j += kChunk) {
-    const int64_t m = std::min(kChunk, n - j);
-    kernel(j, m, tmp);
-    to_bf16(tmp, m, o + j);
-  }
-}
-
-// n elements along K, blocks of 32 from scales[0]: fp32 out written directly, bf16 chunked.
+// n elements along K, blocks of 32 from scales[0], into an fp32 or a bf16 tile (the per-ISA
+// kernels write either directly).
 inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                             float* o) {
   cpu::dequantize_row_blocks(fmt, d, s, n, o);
 }
 inline void row_blocks_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                             uint16_t* o) {
-  chunked_bf16(n, o, [&](int64_t j, int64_t m, float* t) {
-    cpu::dequantize_row_blocks(fmt, d + j, s + j / kBlock, m, t);
-  });
+  cpu::dequantize_row_blocks_bf16(fmt, d, s, n, o);
 }
 // n elements, one scale byte each.
 inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
@@ -275,9 +255,7 @@ inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s,
 }
 inline void per_element_into(ElemFormat fmt, const uint8_t* d, const uint8_t* s, int64_t n,
                              uint16_t* o) {
-  chunked_bf16(n, o, [&](int64_t j, int64_t m, float* t) {
-    cpu::dequantize_per_element(fmt, d + j, s + j, m, t);
-  });
+  cpu::dequantize_per_element_bf16(fmt, d, s, n, o);
 }
 inline void store(float v, float* o) { *o = v; }
 inline void store(float v, uint16_t* o) { *o = bf16_bits_exact(v); }
@@ -416,6 +394,88 @@ bool bf16_exact(const MxOperand& a, const MxOperand& b) {
 
 std::atomic<int64_t> g_fp32{0}, g_bf16{0}, g_bf16_to_fp32{0};
 
+// mx_matmul's tile buffers persist between calls: one byte buffer, grown to the largest tiles a
+// call has needed (never past the tile bound below: 40 MiB, 24 MiB on the BF16 path) and kept,
+// so that a training step does not allocate (and, once the allocator has returned the pages,
+// fault in) its tiles for every GEMM.
+// It comes from the CPU allocator like any tensor (zrw.memory counts it) and is freed by
+// zrw.ops.free_matmul_workspace(). One call at a time holds it; a call made while another thread
+// holds it allocates its own tiles for that call.
+class TileWorkspace {
+ public:
+  static TileWorkspace& get() {
+    static auto* ws = new TileWorkspace;  // never destroyed: the allocator may be gone at exit
+    return *ws;
+  }
+
+  // A buffer of at least `bytes` for one call, released when the Lease ends.
+  class Lease {
+   public:
+    Lease(TileWorkspace& ws, int64_t bytes, const at::TensorOptions& opts) : ws_(ws) {
+      {
+        std::lock_guard<std::mutex> lock(ws_.mu_);
+        if (!ws_.busy_) {
+          ws_.busy_ = held_ = true;
+          if (ws_.buf_.defined() && ws_.buf_.numel() >= bytes) buf_ = ws_.buf_;
+        }
+      }
+      if (buf_.defined()) return;
+      try {
+        if (held_) release_persistent();  // free a buffer too small before allocating
+        buf_ = at::empty({bytes}, opts.dtype(at::kByte));
+      } catch (...) {
+        done();
+        throw;
+      }
+      if (held_) {
+        std::lock_guard<std::mutex> lock(ws_.mu_);
+        ws_.buf_ = buf_;
+      }
+    }
+    ~Lease() { done(); }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    uint8_t* data() const { return static_cast<uint8_t*>(buf_.data_ptr()); }
+    const at::Tensor& tensor() const { return buf_; }
+
+   private:
+    void release_persistent() {
+      std::lock_guard<std::mutex> lock(ws_.mu_);
+      ws_.buf_ = at::Tensor();
+    }
+    void done() {
+      if (!held_) return;
+      held_ = false;
+      std::lock_guard<std::mutex> lock(ws_.mu_);
+      ws_.busy_ = false;
+    }
+    TileWorkspace& ws_;
+    at::Tensor buf_;
+    bool held_ = false;
+  };
+
+  int64_t bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return buf_.defined() ? buf_.numel() : 0;
+  }
+
+  // Drops the persistent buffer (a call holding it keeps its reference until it returns).
+  int64_t free() {
+    at::Tensor dropped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dropped = std::move(buf_);
+      buf_ = at::Tensor();
+    }
+    return dropped.defined() ? dropped.numel() : 0;
+  }
+
+ private:
+  std::mutex mu_;
+  at::Tensor buf_;
+  bool busy_ = false;
+};
+
 at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                          const at::Tensor& b_scale, at::ScalarType out_dtype) {
   constexpr const char* op = "zrw.mx_matmul";
@@ -436,28 +496,38 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   const bool bf16_wanted = out_dtype == at::kBFloat16 && cpu::gemm_path() == cpu::Gemm::BF16;
   const bool bf16 = bf16_wanted && bf16_exact(A, B);
   (bf16 ? g_bf16 : bf16_wanted ? g_bf16_to_fp32 : g_fp32).fetch_add(1, std::memory_order_relaxed);
-  const auto tile_opts = a.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
+  const at::ScalarType tile_dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  const int64_t elem_bytes = bf16 ? 2 : 4;
 
-  // Both operands are dequantized in row tiles, A's of at most 2^22 elements (16 MiB in fp32),
-  // B's of 2^21 (8 MiB), and each A tile is multiplied by every B tile: no operand ever exists
-  // whole in fp32. B is dequantized again for every A tile (unless it fits one tile), which
-  // costs little next to the GEMM. A product tile that cannot be written straight into the
-  // result (an fp32 product cast into a bf16/fp16 result, or a column slice of it) is bounded by
-  // 2^22 elements too: A's tile shrinks when B's is wide (a weight gradient from few tokens:
-  // K small, M and N large).
-  auto rows_per_tile = [&](int64_t rows, int64_t elems) {
-    return std::min(rows, std::max<int64_t>(64, elems / K / 64 * 64));
+  // Both operands are dequantized in row tiles, A's of at most 16 MiB (2^22 fp32 or 2^23 bf16
+  // elements), B's of 8 MiB, and each A tile is multiplied by every B tile: no operand ever
+  // exists whole in fp32 (or bf16). B is dequantized again for every A tile (unless it fits one
+  // tile), which costs little next to the GEMM. The GEMM writes each product tile straight into
+  // its block of the result (a column slice is a BLAS output with a leading dimension), except
+  // an fp32 product for a bf16/fp16 result, which goes through a product tile of at most 2^22
+  // elements (16 MiB): A's tile shrinks when B's is wide (a weight gradient from few tokens: K
+  // small, M and N large).
+  auto rows_per_tile = [&](int64_t rows, int64_t bytes) {
+    return std::min(rows, std::max<int64_t>(64, bytes / elem_bytes / K / 64 * 64));
   };
-  const int64_t b_tile = rows_per_tile(N, int64_t{1} << 21);
-  const bool direct = out_dtype == at::kFloat || (bf16 && b_tile == N);
-  int64_t a_tile = rows_per_tile(M, int64_t{1} << 22);
+  const int64_t b_tile = rows_per_tile(N, int64_t{8} << 20);
+  const bool direct = out_dtype == at::kFloat || bf16;
+  int64_t a_tile = rows_per_tile(M, int64_t{16} << 20);
   if (!direct) {
     a_tile = std::min(a_tile, std::max<int64_t>(64, (int64_t{1} << 22) / b_tile / 64 * 64));
   }
-  at::Tensor a_buf = at::empty({a_tile * K}, tile_opts);
-  at::Tensor b_buf = at::empty({b_tile * K}, tile_opts);
-  at::Tensor prod = direct ? at::Tensor()
-                           : at::empty({std::min(a_tile, M) * b_tile}, tile_opts);
+  // The tiles live in the persistent workspace, each at a 64-byte boundary.
+  auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t a_bytes = aligned(a_tile * K * elem_bytes);
+  const int64_t b_bytes = aligned(b_tile * K * elem_bytes);
+  const int64_t p_bytes = direct ? 0 : aligned(std::min(a_tile, M) * b_tile * 4);
+  TileWorkspace::Lease lease(TileWorkspace::get(), a_bytes + b_bytes + p_bytes, a.options());
+  auto slice = [&](int64_t offset, int64_t bytes, at::ScalarType dtype) {
+    return lease.tensor().narrow(0, offset, bytes).view(dtype);
+  };
+  at::Tensor a_buf = slice(0, a_bytes, tile_dtype);
+  at::Tensor b_buf = slice(a_bytes, b_bytes, tile_dtype);
+  at::Tensor prod = direct ? at::Tensor() : slice(a_bytes + b_bytes, p_bytes, at::kFloat);
   // (rows, K) tile as a GEMM operand: row-major, or a column-major tile (K, rows) transposed.
   auto tile_rows_by_k = [&](const MxOperand& o, at::Tensor& buf, int64_t rows) {
     const at::Tensor t = buf.narrow(0, 0, rows * K);
@@ -503,6 +573,8 @@ GemmCounts gemm_counts() {
   c.bf16_to_fp32 = g_bf16_to_fp32.load();
   return c;
 }
+int64_t matmul_workspace_bytes() { return TileWorkspace::get().bytes(); }
+int64_t free_matmul_workspace() { return TileWorkspace::get().free(); }
 void reset_gemm_counts() {
   g_fp32 = 0;
   g_bf16 = 0;

@@ -61,30 +61,43 @@ inline __m256i load8_bytes(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 8 products to out: fp32, or bf16 bits (the top half of each product's bits; exact for the
+// products mx_matmul's BF16 path admits, see DequantizeBf16Fn).
+inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+inline void store8(uint16_t* out, __m256 v) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
+}
+inline void store1(float* out, float v) { *out = v; }
+inline void store1(uint16_t* out, float v) {
+  *out = static_cast<uint16_t>(mx::f32_bits(v) >> 16);
+}
+
 // out[j] = decode(data[j]) * 2^(scales[j / 32] - 127), j < n.
-template <ElemFormat F>
-void row_blocks(const uint8_t* data, const uint8_t* scales, int64_t n, float* out) {
+template <ElemFormat F, typename Out>
+void row_blocks(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
   for (; j + mx::kBlock <= n; j += mx::kBlock) {
     const __m256 s = _mm256_set1_ps(mx::scale_from_byte(scales[j / mx::kBlock]));
     for (int64_t i = 0; i < mx::kBlock; i += 8) {
-      _mm256_storeu_ps(out + j + i, _mm256_mul_ps(decode8<F>(load8_bytes(data + j + i)), s));
+      store8(out + j + i, _mm256_mul_ps(decode8<F>(load8_bytes(data + j + i)), s));
     }
   }
   if (j == n) return;
   const float s = mx::scale_from_byte(scales[j / mx::kBlock]);
-  for (; j < n; ++j) out[j] = mx::decode_elem<F>(data[j]) * s;
+  for (; j < n; ++j) store1(out + j, mx::decode_elem<F>(data[j]) * s);
 }
 
 // out[j] = decode(data[j]) * 2^(scales[j] - 127), j < n.
-template <ElemFormat F>
-void per_element(const uint8_t* data, const uint8_t* scales, int64_t n, float* out) {
+template <ElemFormat F, typename Out>
+void per_element(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(decode8<F>(load8_bytes(data + j)),
-                                            scale8(load8_bytes(scales + j))));
+    store8(out + j, _mm256_mul_ps(decode8<F>(load8_bytes(data + j)),
+                                  scale8(load8_bytes(scales + j))));
   }
-  for (; j < n; ++j) out[j] = mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j]);
+  for (; j < n; ++j) store1(out + j, mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j]));
 }
 
 }  // namespace zrw::cpu::ZRW_CPU_ISA::avx2_dequant

@@ -23,6 +23,8 @@ struct Choice {
   QuantizeMatricesFn quantize;
   DequantizeFn dequantize_row_blocks;
   DequantizeFn dequantize_per_element;
+  DequantizeBf16Fn dequantize_row_blocks_bf16;
+  DequantizeBf16Fn dequantize_per_element_bf16;
 };
 
 bool cpu_has(const char* isa) {
@@ -42,12 +44,15 @@ Choice pick() {
   const Choice choices[] = {
 #if defined(ZRW_HAVE_X86_ISAS)
       {"avx512", &avx512::quantize_matrices, &avx512::dequantize_row_blocks,
-       &avx512::dequantize_per_element},
+       &avx512::dequantize_per_element, &avx512::dequantize_row_blocks_bf16,
+       &avx512::dequantize_per_element_bf16},
       {"avx2", &avx2::quantize_matrices, &avx2::dequantize_row_blocks,
-       &avx2::dequantize_per_element},
+       &avx2::dequantize_per_element, &avx2::dequantize_row_blocks_bf16,
+       &avx2::dequantize_per_element_bf16},
 #endif
       {"base", &base::quantize_matrices, &base::dequantize_row_blocks,
-       &base::dequantize_per_element},
+       &base::dequantize_per_element, &base::dequantize_row_blocks_bf16,
+       &base::dequantize_per_element_bf16},
   };
   if (const char* forced = std::getenv("ZRW_CPU_ISA"); forced && *forced) {
     for (const auto& c : choices) {
@@ -124,6 +129,16 @@ void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_
 void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                             int64_t n, float* out) {
   chosen().dequantize_per_element(fmt, data, scales, n, out);
+}
+
+void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                                int64_t n, uint16_t* out) {
+  chosen().dequantize_row_blocks_bf16(fmt, data, scales, n, out);
+}
+
+void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                                 int64_t n, uint16_t* out) {
+  chosen().dequantize_per_element_bf16(fmt, data, scales, n, out);
 }
 
 }  // namespace zrw::cpu

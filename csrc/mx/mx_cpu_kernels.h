@@ -39,6 +39,13 @@ using QuantizeMatricesFn = void (*)(const void* src, at::ScalarType src_dtype,
 using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                               int64_t n, float* out);
 
+// The same products written as bf16 bits (mx_matmul's BF16 GEMM tiles): the top half of each fp32
+// product's bits. Exact only when every product is a bf16 value (normal or zero), which
+// mx_matmul checks before it takes the BF16 path (bf16_exact in mx_cpu.cpp); the kernels do not
+// round.
+using DequantizeBf16Fn = void (*)(mx::ElemFormat fmt, const uint8_t* data,
+                                  const uint8_t* scales, int64_t n, uint16_t* out);
+
 #define ZRW_DECLARE_CPU_ISA(isa)                                                              \
   namespace isa {                                                                             \
   void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,  \
@@ -48,6 +55,10 @@ using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uin
                              int64_t n, float* out);                                          \
   void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
                               int64_t n, float* out);                                         \
+  void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data,                    \
+                                  const uint8_t* scales, int64_t n, uint16_t* out);           \
+  void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data,                   \
+                                   const uint8_t* scales, int64_t n, uint16_t* out);          \
   }
 ZRW_DECLARE_CPU_ISA(base)
 ZRW_DECLARE_CPU_ISA(avx2)
@@ -77,6 +88,11 @@ struct GemmCounts {
 GemmCounts gemm_counts();
 void reset_gemm_counts();
 
+// mx_matmul's persistent tile workspace (mx_cpu.cpp): its size in bytes, and freeing it
+// (returns the bytes dropped; a call in flight keeps its buffer until it returns).
+int64_t matmul_workspace_bytes();
+int64_t free_matmul_workspace();
+
 void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,
                        int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                        const QuantOutputs& out);
@@ -84,5 +100,9 @@ void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_
                            int64_t n, float* out);
 void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                             int64_t n, float* out);
+void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                                int64_t n, uint16_t* out);
+void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                                 int64_t n, uint16_t* out);
 
 }  // namespace zrw::cpu

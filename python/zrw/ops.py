@@ -206,10 +206,39 @@ def mx_matmul(
     a: (M, K) fp8 with a_scale (M, ceil(K/32)); b: (N, K) fp8 with b_scale (N, ceil(K/32)).
     Returns (M, N) in out_dtype. Either operand (with its scale) may be a strided view such as
     the .t() of a tensor blocked along its other axis — dgrad passes W_bwd.t(), wgrad
-    Q_M(dy).t() and Q_M(x).t() — and is never copied to make it contiguous. On CPU it is
-    emulated: a is dequantized to fp32 once and b tile by tile (exact: an MX value times a power
-    of two is an fp32 value), then multiplied by the fp32 GEMM; a hardware MX GEMM where the
-    backend has one.
+    Q_M(dy).t() and Q_M(x).t() — and is never copied to make it contiguous.
+
+    On CPU it is emulated, exactly: both operands are dequantized in row tiles (an MX value
+    times a power of two is an fp32 value) and multiplied by a GEMM that accumulates in fp32,
+    each product tile written straight into the result. Where the CPU has native BF16 dot
+    products (avx512_bf16, AMX-BF16) and out_dtype is bf16, the tiles are bf16 and the GEMM is
+    torch's BF16 GEMM (`zrw.backends()["cpu"]["gemm"]`); elsewhere fp32 tiles and the fp32 GEMM.
+    The tiles (an A tile of at most 16 MiB and a B tile of 8 MiB, plus, for a bf16/fp16 result
+    of the fp32 GEMM, a 16 MiB product tile: 40 MiB) live in a workspace that persists between
+    calls; see
+    `matmul_workspace_bytes` and `free_matmul_workspace`. A hardware MX GEMM where the backend
+    has one.
     """
     _check_types(_MATMUL, a, a_scale, b, b_scale, out_dtype)
     return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)
+
+
+def matmul_workspace_bytes() -> int:
+    """Bytes held by mx_matmul's CPU tile workspace.
+
+    mx_matmul keeps its dequantized tiles in one buffer that persists between calls, so that a
+    training step does not allocate (and fault in) them for every GEMM. It grows to the largest
+    tiles a call has needed, at most 40 MiB (see mx_matmul), comes from the CPU allocator like
+    any tensor (`zrw.memory` counts it) and stays until `free_matmul_workspace()`.
+    """
+    return _C.cpu_matmul_workspace_bytes()
+
+
+def free_matmul_workspace() -> int:
+    """Free mx_matmul's CPU tile workspace; returns the bytes freed (0 if there was none).
+
+    The next CPU mx_matmul allocates it again. Call it when a phase that runs MX GEMMs ends (after
+    training, before measuring memory) to return its memory; a call in flight on another thread
+    keeps its tiles until it returns.
+    """
+    return _C.cpu_free_matmul_workspace()

@@ -7,7 +7,10 @@ its own process with ZRW_CPU_GEMM forcing it (the choice is made once per proces
 - fp16/fp32 results and scales at the extremes of the e8m0 range (or NaN blocks) run the FP32
   GEMM on the BF16 path too, and are then bitwise the FP32 path's;
 - a call's peak memory is its result plus the documented tile bound on both paths, also for a
-  weight gradient from few tokens (the product tile is bounded, not the whole (M, N) in fp32).
+  weight gradient from few tokens (the product tile is bounded, not the whole (M, N) in fp32);
+- the tiles live in a workspace that persists between calls: a repeated call allocates only its
+  result, the workspace stays within the bound, zrw.memory counts it, and
+  zrw.ops.free_matmul_workspace() returns it; calls from several threads at once stay exact.
 """
 import os
 import subprocess
@@ -92,6 +95,52 @@ out.append(m["peak"] - m["start"])
 print(zrw._C.cpu_gemm(), *out)
 """
 
+WORKSPACE_SCRIPT = r"""
+import sys, threading, torch, zrw
+zrw.memory.install()
+from zrw import ops
+torch.manual_seed(0)
+qa, sa = ops.mx_quantize(torch.randn(1024, 4096, dtype=torch.bfloat16), -1)
+qb, sb = ops.mx_quantize(torch.randn(3072, 4096, dtype=torch.bfloat16), -1)
+assert ops.matmul_workspace_bytes() == 0
+before = zrw.memory.current()
+y0 = ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16)
+held = ops.matmul_workspace_bytes()
+grown = zrw.memory.current() - before - y0.numel() * 2  # what the first call kept
+with zrw.memory.window() as m:
+    y1 = ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16)
+again = m["peak"] - m["start"]
+same = torch.equal(y0, y1)
+del y1
+# What torch's GEMM itself allocates for one tile product of this call (the A tile, 1024 x 4096,
+# times a B tile of 8 MiB / 4096: 512 fp32 or 1024 bf16 rows, in the path's tile dtype, into a
+# slice of the result or into the fp32 product tile): the GEMM library's scratch, outside zrw's
+# control.
+tile = torch.bfloat16 if zrw._C.cpu_gemm() == "bf16" else torch.float32
+nb = 1024 if tile == torch.bfloat16 else 512
+ta, tb = torch.randn(1024, 4096).to(tile), torch.randn(nb, 4096).to(tile)
+tout = torch.empty(1024, 3072, dtype=tile)
+torch.mm(ta, tb.t(), out=tout[:, :nb])
+with zrw.memory.window() as m:
+    torch.mm(ta, tb.t(), out=tout[:, :nb])
+scratch = m["peak"] - m["start"]
+del ta, tb, tout
+# Two threads at once: one holds the workspace, the other gets tiles of its own; both exact.
+outs = {}
+def run(i):
+    outs[i] = [ops.mx_matmul(qa, sa, qb, sb, torch.bfloat16) for _ in range(4)]
+threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+threaded = all(torch.equal(y, y0) for ys in outs.values() for y in ys)
+del outs
+current = zrw.memory.current()
+freed = ops.free_matmul_workspace()
+dropped = current - zrw.memory.current()
+print(zrw._C.cpu_gemm(), held, grown, again, scratch, int(same), int(threaded), freed, dropped,
+      ops.matmul_workspace_bytes(), ops.free_matmul_workspace())
+"""
+
 PATHS = ("fp32", "bf16")
 
 
@@ -155,15 +204,38 @@ def test_bf16_path_equals_fp32_path_up_to_summation_order(results):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_peak_is_the_result_plus_the_tile_bound(path):
-    # The documented bound: an A tile of at most 2^22 elements, a B tile of 2^21 and a product
-    # tile of 2^22 (fp32 on the FP32 path, bf16 on the BF16 path: fp32 bytes bound both).
+    # The documented bound: an A tile of at most 16 MiB, a B tile of 8 MiB and an fp32 product
+    # tile of 16 MiB (the FP32 path's, for a bf16 result).
     gemm, wgrad, fwd = run_child(MEMORY_SCRIPT, path).split()
     assert gemm == path
-    tiles = (2 ** 22 + 2 ** 21 + 2 ** 22) * 4
+    tiles = (16 + 8 + 16) << 20
     result = 8192 * 4096 * 2
     assert result <= int(wgrad) <= result + tiles + (1 << 20), (path, int(wgrad))
     result = 1024 * 4096 * 2
     assert result <= int(fwd) <= result + tiles + (1 << 20), (path, int(fwd))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_tile_workspace_persists_within_its_bound_and_is_freed(path):
+    out = run_child(WORKSPACE_SCRIPT, path).split()
+    gemm = out[0]
+    held, grown, again, scratch, same, threaded, freed, dropped, after, freed_again = map(
+        int, out[1:])
+    assert gemm == path
+    # The first call kept the tiles: the workspace is counted by zrw.memory, within the bound
+    # (A tile 16 MiB, B tile 8 MiB, and on the FP32 path a 16 MiB fp32 product tile for the bf16
+    # result; the BF16 path writes straight into the result).
+    bound = (16 + 8 + (16 if path == "fp32" else 0)) << 20
+    assert 0 < held <= bound + 256, held
+    assert grown == held
+    # A repeated call allocates its result only, plus what torch's GEMM allocates for a tile
+    # product of the same shape on its own, and gives the same bytes.
+    result = 1024 * 3072 * 2
+    assert result <= again <= result + scratch + (64 << 10), (again, scratch)
+    assert same and threaded
+    # free_matmul_workspace() returns the bytes it freed; the allocator gets them back.
+    assert freed == held and dropped == held
+    assert after == 0 and freed_again == 0
 
 
 def test_backends_reports_the_gemm_path():

@@ -799,6 +799,36 @@ ISA_SCRIPT = textwrap.dedent(
                 if not (torch.equal(got.isnan(), exp.isnan()) and torch.equal(
                         got.view(int_view)[~got.isnan()], exp.view(int_view)[~exp.isnan()])):
                     failures.append(("mx_dequantize", str(elem), dim, str(out)))
+    # mx_matmul's bf16 tiles (these children force the BF16 GEMM path, ZRW_CPU_GEMM=bf16): an
+    # operand times an exact identity gives its dequantized values, for every finite element
+    # byte under scale bytes 110..140 (every product a normal bf16 value), each operand blocked
+    # along K in contiguous rows or as the .t() of a tensor blocked along its other axis
+    # (column-major), so that each tile kernel meets the other (a shuffle along K common to
+    # both operands would cancel out).
+    import zrw.testing
+    K = 96
+    for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
+        finite = codes[ref.mx_dequantize(codes.view(1, 256).view(elem),
+                                         torch.full((1, 8), 127, dtype=torch.uint8).view(
+                                             torch.float8_e8m0fnu), -1,
+                                         torch.float32).view(-1).isfinite()]
+        rows = torch.arange(70)[:, None]
+        data = finite[(rows * 7 + torch.arange(K)[None, :]) % finite.numel()]
+        scale = (110 + (rows + 5 * torch.arange(K // 32)[None, :]) % 31).to(torch.uint8)
+        d, sc = data.view(elem), scale.view(torch.float8_e8m0fnu)
+        exp = ops.mx_dequantize(d, sc, -1, torch.bfloat16)
+        a_layouts = {"rows": (d, sc),
+                     "column-major": (d.t().contiguous().t(), sc.t().contiguous().t())}
+        eye_q, eye_s = ops.mx_quantize(torch.eye(K), 0, elem)  # the identity is its own .t()
+        b_layouts = {"rows": ops.mx_quantize(torch.eye(K), -1, elem),
+                     "column-major": (eye_q.t(), eye_s.t())}
+        for a_layout, (ad, as_) in a_layouts.items():
+            for b_layout, (bd, bs) in b_layouts.items():
+                zrw.testing.reset_gemm_counts()
+                got = ops.mx_matmul(ad, as_, bd, bs, torch.bfloat16)
+                if (zrw.testing.gemm_counts()["bf16"] != 1
+                        or not torch.equal(got.float(), exp.float())):
+                    failures.append(("mx_matmul bf16 tiles", str(elem), a_layout, b_layout))
     if failures:
         print(len(failures), "mismatches, first:", *failures[:10], sep="\\n")
         sys.exit(1)
@@ -822,7 +852,7 @@ UNAVAILABLE_SCRIPT = textwrap.dedent(
 
 
 def _start_child(script, isa):
-    env = dict(os.environ, ZRW_CPU_ISA=isa)
+    env = dict(os.environ, ZRW_CPU_ISA=isa, ZRW_CPU_GEMM="bf16")
     return subprocess.Popen(
         [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
