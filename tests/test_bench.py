@@ -89,6 +89,9 @@ def test_bench_step_json_memory_in_units_of_n():
         # masters 4 + AdamW moments 8 + BF16 grads 2 (+ FP8 copies, + BF16 weights in cache)
         assert runs["bf16-free"]["start_per_n"] >= 14.0
         assert runs["cache"]["start_per_n"] - runs["bf16-free"]["start_per_n"] >= 2.0
+        # mx_matmul's tile workspace is live in every mode, the same bytes (the same GEMMs)
+        ws = {m: x["matmul_workspace_bytes"] for m, x in runs.items()}
+        assert len(set(ws.values())) == 1 and ws["cache"] > 0, ws
 
 
 def test_bench_linear_json():
