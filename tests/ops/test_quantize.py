@@ -829,6 +829,15 @@ ISA_SCRIPT = textwrap.dedent(
                 if (zrw.testing.gemm_counts()["bf16"] != 1
                         or not torch.equal(got.float(), exp.float())):
                     failures.append(("mx_matmul bf16 tiles", str(elem), a_layout, b_layout))
+        # NaN/Inf element codes under finite scales stay NaN/Inf in the tiles (the scale does
+        # not move them): rows of nothing else give all-NaN rows (Inf * 0 is NaN too).
+        special = codes[~torch.isin(codes, finite)]
+        sdata = special[(torch.arange(4)[:, None] + torch.arange(K)[None, :]) % special.numel()]
+        zrw.testing.reset_gemm_counts()
+        got = ops.mx_matmul(sdata.view(elem), scale[:4].view(torch.float8_e8m0fnu),
+                            *b_layouts["rows"], torch.bfloat16)
+        if zrw.testing.gemm_counts()["bf16"] != 1 or not bool(got.isnan().all()):
+            failures.append(("mx_matmul bf16 tiles, NaN/Inf codes", str(elem)))
     if failures:
         print(len(failures), "mismatches, first:", *failures[:10], sep="\\n")
         sys.exit(1)
