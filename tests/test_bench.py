@@ -75,6 +75,30 @@ def test_bench_cache_json():
             assert positive(step["step_ms"]) and positive(step["restore_ms"])
 
 
+def test_bench_quant_every_kernel_build_in_its_own_process():
+    from helpers.quant import ISA_REQUIREMENTS, cpu_flags
+
+    r = run_bench("quant", "--n", "64", "--k", "96", "--mm", "32", "--repeat", "1",
+                  "--isa", "all", timeout=600)
+    assert list(r) == ["avx512", "avx2", "base"]
+    for isa, res in r.items():
+        if not ISA_REQUIREMENTS[isa] <= cpu_flags():
+            assert "skipped" in res and f"ZRW_CPU_ISA={isa}" in res["skipped"], res
+            continue
+        assert res["cpu_isa"] == isa  # the child ran the forced build
+        assert positive(res["bandwidth"][str(res["threads"])]["dual"]["x_copy_time"])
+    # The table ends with every build against the targets.
+    out = subprocess.run([sys.executable, "-m", "zrw.bench", "quant", "--n", "64", "--k", "96",
+                          "--mm", "32", "--repeat", "1", "--isa", "base"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "targets: time over the copy" in out.stdout and "\n  base " in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "zrw.bench", "quant", "--isa", "sse9000"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "--isa: unknown kernel build(s) ['sse9000']" in bad.stderr
+
+
 def test_bench_step_json_memory_in_units_of_n():
     r = run_bench("step", "--dim", "128", "--layers", "4", "--tokens", "8", "--micro", "1",
                   "--steps", "2")

@@ -282,26 +282,15 @@ struct Scratch {
   alignas(64) int16_t row_off[2][32];
 };
 
-// The kernel's tuning, from ZRW_QUANT_TUNE="pf_groups,nt_bytes,row_pf" (development only).
+// The kernel's tuning, chosen with `python -m zrw.bench quant` on a 2-core AMD EPYC (4096x4096,
+// 1 and 2 threads) by sweeping each value: non-temporal stores from 4 MiB planes (below that
+// the output stays in the caches for its next reader), and the row-only stream prefetched 2048
+// elements ahead. (The strips prefetch the next row of the chunk, see strip_chunk.)
 struct Tuning {
-  int64_t pf_groups = 4;              // how many 64-column groups ahead each row is prefetched
-  int64_t nt_min_bytes = 4 << 20;     // data planes at least this large get non-temporal stores
-  int64_t row_pf = 2048;              // elements ahead the row-only stream is prefetched
-  Tuning() {
-    if (const char* t = std::getenv("ZRW_QUANT_TUNE")) {
-      long a = 0, b = 0, c = 0;
-      if (std::sscanf(t, "%ld,%ld,%ld", &a, &b, &c) == 3) {
-        pf_groups = a;
-        nt_min_bytes = b;
-        row_pf = c;
-      }
-    }
-  }
+  static constexpr int64_t nt_min_bytes = 4 << 20;  // planes this large get non-temporal stores
+  static constexpr int64_t row_pf = 2048;           // elements ahead the row-only stream is fetched
 };
-inline const Tuning& tuning() {
-  static const Tuning t;
-  return t;
-}
+constexpr Tuning tuning() { return Tuning{}; }
 
 // ---- blocks along rows only: the rows streamed in order --------------------------------------
 // `nvec` (<= 32) consecutive blocks of one row (or of a flat run of rows of whole blocks) at

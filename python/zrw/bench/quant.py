@@ -21,6 +21,14 @@ a tensor it already has. On glibc the benchmark keeps freed memory in the heap, 
 warm pages like the copy does, and then times the dual-axis op once more with fresh pages for
 every output (what a call pays when the allocator has returned the memory to the OS: a page
 fault per 4 KiB, which costs ~2 us on this VM and is most of the difference).
+
+`--isa avx512,avx2,base` (or `--isa all`) runs the benchmark once per kernel build, each in its
+own process with ZRW_CPU_ISA forcing it (builds this CPU cannot run are listed as skipped), and
+ends with one table of every build's ratios to the copy against the targets (one axis <= 1.0x
+the copy, dual-axis <= 1.3x, 32x32 <= 1.1x, dual-axis from an FP32 master <= 1.2x an fp32 copy,
+on all threads; and all threads no slower than one for any kernel). A build forced on a wider
+CPU runs its own instructions only: `--isa avx2` on an AVX-512 machine measures the AVX2 kernels
+(with that machine's memory system).
 """
 from __future__ import annotations
 
@@ -249,6 +257,63 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
     }
 
 
+ISAS = ("avx512", "avx2", "base")
+# zrw's own kernels (not the copies the ratios divide by, nor the two-pass cast + dual)
+ZRW_KERNELS = ("dual", "block", "single_dim_-1", "single_dim_0", "dual_from_master",
+               "block_from_master", "single_dim_-1_from_master")
+
+# The issue's targets: kernel -> the largest time over the copy on all threads.
+TARGETS = {"single_dim_-1": 1.0, "single_dim_0": 1.0, "dual": 1.3, "block": 1.1,
+           "dual_from_master": 1.2}
+
+
+def run_isas(isas, n: int, k: int, mm: int, repeat: int) -> dict:
+    """run() once per kernel build, each in a child process started with ZRW_CPU_ISA=isa (the
+    build is chosen once per process). {isa: run()'s dict, or {"skipped": why}}."""
+    import os
+    import subprocess
+    import sys
+
+    out = {}
+    for isa in isas:
+        env = dict(os.environ, ZRW_CPU_ISA=isa)
+        cmd = [sys.executable, "-m", "zrw.bench", "quant", "--json", "--n", str(n), "--k", str(k),
+               "--mm", str(mm), "--repeat", str(repeat)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            out[isa] = {"skipped": last}
+            continue
+        out[isa] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def target_rows(results: dict) -> list:
+    """One row per build: each target kernel's time over the copy on all threads, marked "ok" or
+    "MISSED" against TARGETS, and the smallest thread speed-up over every kernel."""
+    rows = []
+    for isa, r in results.items():
+        if "skipped" in r:
+            rows.append([isa] + ["skipped"] * (len(TARGETS) + 1))
+            continue
+        bw = r["bandwidth"][str(r["threads"])]
+        row = [isa]
+        for name, limit in TARGETS.items():
+            x = bw[name]["x_copy_time"]
+            row.append(f"{x:.2f} {'ok' if x <= limit else 'MISSED'}")
+        slowest = min(x for name, x in r["thread_speedup"].items() if name in ZRW_KERNELS)
+        row.append(f"{slowest:.2f} {'ok' if slowest >= 1.0 else 'MISSED'}")
+        rows.append(row)
+    return rows
+
+
+def print_targets(results: dict, threads: int) -> None:
+    header = ["ISA"] + [f"{name} (<= {limit})" for name, limit in TARGETS.items()] + \
+        ["min thr speed-up (>= 1)"]
+    print_table(f"\n  targets: time over the copy on {threads} threads, per kernel build",
+                header, target_rows(results))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m zrw.bench quant", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,12 +321,39 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=4096, help="weight columns (in_features)")
     p.add_argument("--mm", type=int, default=2048, help="M = N = K of the matmul comparison")
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--isa", default="",
+                   help="comma-separated kernel builds to run each in its own process "
+                        f"({', '.join(ISAS)}), or 'all'; default: the one this process picks")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
+    if args.isa:
+        isas = ISAS if args.isa == "all" else [x for x in args.isa.split(",") if x]
+        unknown = sorted(set(isas) - set(ISAS))
+        if unknown:
+            p.error(f"--isa: unknown kernel build(s) {unknown}; expected some of {list(ISAS)} "
+                    "or 'all'")
+        results = run_isas(isas, args.n, args.k, args.mm, args.repeat)
+        if args.json:
+            print(json.dumps(results))
+            return
+        for isa, r in results.items():
+            if "skipped" in r:
+                print(f"ZRW_CPU_ISA={isa}: skipped ({r['skipped']})\n")
+                continue
+            print_report(r, args)
+            print()
+        threads = next((r["threads"] for r in results.values() if "threads" in r), 0)
+        print_targets(results, threads)
+        return
     r = run(args.n, args.k, args.mm, args.repeat)
     if args.json:
         print(json.dumps(r))
         return
+    print_report(r, args)
+    print_targets({r["cpu_isa"]: r}, r["threads"])
+
+
+def print_report(r: dict, args) -> None:
     ms, sp = r["ms"], r["speedup_vs_torchao"]
     print(f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} weight "
           f"(bf16, and an fp32 master), kernel ISA {r['cpu_isa']}, CPU {r['cpu_model']}")
