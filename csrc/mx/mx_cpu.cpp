@@ -397,8 +397,7 @@ std::atomic<int64_t> g_fp32{0}, g_bf16{0}, g_bf16_to_fp32{0};
 // mx_matmul's tile buffers persist between calls: one byte buffer, grown to the largest tiles a
 // call has needed (never past the tile bound below: 40 MiB, 24 MiB on the BF16 path) and kept,
 // so that a training step does not allocate (and, once the allocator has returned the pages,
-// fault in) its tiles for every GEMM.
-// It comes from the CPU allocator like any tensor (zrw.memory counts it) and is freed by
+// fault in) its tiles for every GEMM. It comes from the CPU allocator like any tensor (zrw.memory counts it) and is freed by
 // zrw.ops.free_matmul_workspace(). One call at a time holds it; a call made while another thread
 // holds it allocates its own tiles for that call.
 class TileWorkspace {
@@ -435,7 +434,6 @@ class TileWorkspace {
     ~Lease() { done(); }
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
-    uint8_t* data() const { return static_cast<uint8_t*>(buf_.data_ptr()); }
     const at::Tensor& tensor() const { return buf_; }
 
    private:
