@@ -14,10 +14,10 @@
 //       min(base(x) - ((scale_byte - bias) << M), max_code) | sign,
 //   base(x) = the bf16 exponent and mantissa rounded to M bits (nearest even, carrying into the
 //   exponent), exact whenever the element is a normal of the element format. A 32-element run
-//   with a lane outside that (a bf16 zero or subnormal, a code below the smallest normal, a
-//   NaN/Inf block) is redone by the exact scalar path (mx::encode_elem_lane on x * 2^-e, as the
-//   reference computes it); NaN/Inf blocks then get kElemNaN. So the bytes are the same as every
-//   other build's for every input.
+//   with a code below the smallest normal (which a bf16 zero or subnormal always gets, see
+//   code_offsets), or in a block of a tiny scale, is redone by the exact scalar path
+//   (mx::encode_elem_lane on x * 2^-e, as the reference computes it); NaN/Inf blocks then get
+//   kElemNaN. So the bytes are the same as every other build's for every input.
 // * fp32 and fp16 inputs are staged as "jammed bf16" keys (the dropped 16 bits ORed into the
 //   lowest kept bit: same amax order, exponent, above-1.75 test and nearest-even decisions at
 //   M <= 3 bits), and the exact path reads their values. FP32 masters quantized as their bf16
@@ -63,6 +63,8 @@ using zrw::mx::kBlock;
 typedef int16_t i16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
@@ -145,18 +147,21 @@ inline i16x8 scale_bytes(i16x8 k, ScaleMode mode, i16x8& nan_acc) {
   return (byte & ~nan) | (nan & splat(0xFF));
 }
 
-// Code offset of scale bytes: (byte - bias) << M.
+// Code offsets of scale bytes: (byte - bias) << M. Bytes <= bias (blocks whose amax is below
+// ~2^-112 (E4M3) / 2^-97 (E5M2)) get 0x1000 instead, which makes every code negative: those
+// blocks take the exact path. In exchange, no lane needs a test of its own for a bf16 zero or
+// subnormal: with an offset >= 2^M, its base (<= 2^M) gives a code <= 0, below the normal range.
 template <ElemFormat F>
 inline i16x8 code_offsets(i16x8 bytes) {
   using E = zrw::mx::Elem<F>;
-  return (bytes - splat(E::kBias)) << E::kMantBits;
+  const i16x8 normal = bytes > splat(E::kBias);
+  return (((bytes - splat(E::kBias)) << E::kMantBits) & normal) | (splat(0x1000) & ~normal);
 }
 
-// The shared part of 8 elements' encode: base(x), the sign, and whether x is a bf16 zero or
-// subnormal (exact path).
+// The shared part of 8 elements' encode: base(x) and the sign.
 template <ElemFormat F>
 struct Prep {
-  i16x8 base, sign, low;
+  i16x8 base, sign;
   explicit Prep(i16x8 x) {
     using C = Enc<F>;
     const u16x8 ua = reinterpret_cast<u16x8>(abs8(x));
@@ -164,16 +169,22 @@ struct Prep {
     base = reinterpret_cast<i16x8>((ua + static_cast<uint16_t>(C::kHalfMinusOne) + lsb) >>
                                    C::kShift);
     sign = reinterpret_cast<i16x8>((reinterpret_cast<u16x8>(x) >> 8) & 0x80);
-    low = reinterpret_cast<i16x8>(ua) < splat(0x0080);
   }
-  // The codes for one block scale offset; lanes below the normal range flagged in `bad`.
-  i16x8 code(i16x8 off, i16x8& bad) const {
+  // The codes for one block scale offset; the raw codes' running minimum kept in `cmin` (a run
+  // whose minimum is below the normal range takes the exact path: see below_normal).
+  i16x8 code(i16x8 off, i16x8& cmin) const {
     using C = Enc<F>;
     const i16x8 c = base - off;
-    bad |= c < splat(C::kMinNormalCode);
+    cmin = vmin(cmin, c);
     return vmin(c, splat(C::kMaxCode)) | sign;
   }
 };
+
+// Whether any code whose minimum `cmin` holds lies below the element format's normal range.
+template <ElemFormat F>
+inline bool below_normal(i16x8 cmin) {
+  return any(cmin < splat(Enc<F>::kMinNormalCode));
+}
 
 // ---- inputs -----------------------------------------------------------------------------------
 
@@ -188,11 +199,38 @@ inline float bf16_value(uint16_t bits) {
 inline float to_float(uint16_t bf16_bits) { return bf16_value(bf16_bits); }
 inline float to_float(float x) { return x; }
 
+// 8 fp32 lanes (two registers of bit patterns) -> their high halves, in order.
+inline i16x8 high_halves(u32x4 a, u32x4 b) {
+  return __builtin_shufflevector(reinterpret_cast<i16x8>(a), reinterpret_cast<i16x8>(b), 1, 3, 5,
+                                 7, 9, 11, 13, 15);
+}
+inline u32x4 load4(const float* p) {
+  u32x4 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// fp32 bits whose high half is the bf16 rounding of x (mx::f32_to_bf16_bits_rne: nearest, ties
+// to even). A NaN stays a NaN (its sign may not: only NaN-ness reaches the quantization, as a
+// 0xFF block), by ORing in a quiet NaN's exponent after the add instead of a select.
+inline u32x4 round_bf16_high(u32x4 u) {
+  const u32x4 rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+  const u32x4 nan = reinterpret_cast<u32x4>(reinterpret_cast<i32x4>(u & 0x7FFFFFFFu) >
+                                            (i32x4{} + 0x7F800000));
+  return rounded | (nan & 0x7FC00000u);
+}
+
+// fp32 bits whose high half is x's jammed bf16 key (the OR of the low 16 bits put into bit 16).
+inline u32x4 jam_high(u32x4 u) { return u | (((u & 0xFFFFu) + 0xFFFFu) & 0x10000u); }
+
 inline uint16_t jam(float v) {
   const uint32_t u = zrw::mx::f32_bits(v);
   return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFFu) != 0 ? 1u : 0u));
 }
 
+// Source<S>::stage(x, keys, vals, n, ld): n (a multiple of 32) elements -> their keys (and
+// values, where the exact path reads staged values); ld: the distance to the same elements of
+// the next row of a strip, prefetched meanwhile (0: none).
 template <Src S>
 struct Source;
 
@@ -209,8 +247,16 @@ struct Source<Src::MasterBF16> {
   using Orig = uint16_t;  // the staged keys are the rounded values
   static constexpr bool kDirect = false;
   static float value(In x) { return bf16_value(zrw::mx::f32_to_bf16_bits_rne(x)); }
-  static void stage(const In* __restrict x, uint16_t* __restrict keys, float*, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) keys[j] = zrw::mx::f32_to_bf16_bits_rne(x[j]);
+  static void stage(const In* __restrict x, uint16_t* __restrict keys, float*, int64_t n,
+                    int64_t ld) {
+    for (int64_t j = 0; j < n; j += 16) {
+      if (ld) prefetch(x + j + ld);
+      for (int64_t h = j; h < j + 16; h += 8) {
+        const i16x8 k =
+            high_halves(round_bf16_high(load4(x + h)), round_bf16_high(load4(x + h + 4)));
+        __builtin_memcpy(keys + h, &k, sizeof(k));
+      }
+    }
   }
 };
 template <>
@@ -219,8 +265,15 @@ struct Source<Src::F32> {
   using Orig = float;  // the input itself
   static constexpr bool kDirect = false;
   static float value(In x) { return x; }
-  static void stage(const In* __restrict x, uint16_t* __restrict keys, float*, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) keys[j] = jam(x[j]);
+  static void stage(const In* __restrict x, uint16_t* __restrict keys, float*, int64_t n,
+                    int64_t ld) {
+    for (int64_t j = 0; j < n; j += 16) {
+      if (ld) prefetch(x + j + ld);
+      for (int64_t h = j; h < j + 16; h += 8) {
+        const i16x8 k = high_halves(jam_high(load4(x + h)), jam_high(load4(x + h + 4)));
+        __builtin_memcpy(keys + h, &k, sizeof(k));
+      }
+    }
   }
 };
 template <>
@@ -230,7 +283,7 @@ struct Source<Src::MasterF16> {
   static constexpr bool kDirect = false;
   static float value(In x) { return zrw::mx::round_f32_to_f16_value(x); }
   static void stage(const In* __restrict x, uint16_t* __restrict keys, float* __restrict vals,
-                    int64_t n) {
+                    int64_t n, int64_t) {
     for (int64_t j = 0; j < n; ++j) vals[j] = zrw::mx::round_f32_to_f16_value(x[j]);
     for (int64_t j = 0; j < n; ++j) keys[j] = jam(vals[j]);
   }
@@ -242,7 +295,7 @@ struct Source<Src::F16> {
   static constexpr bool kDirect = false;
   static float value(In x) { return static_cast<float>(x); }
   static void stage(const In* __restrict x, uint16_t* __restrict keys, float* __restrict vals,
-                    int64_t n) {
+                    int64_t n, int64_t) {
     for (int64_t j = 0; j < n; ++j) vals[j] = static_cast<float>(x[j]);
     for (int64_t j = 0; j < n; ++j) keys[j] = jam(vals[j]);
   }
@@ -306,15 +359,11 @@ void row_blocks(const uint16_t* __restrict keys, const O* orig, int64_t nblocks,
       if (b >= n) break;
       const uint16_t* p = x + kBlock * b;
       const i16x8 off = splat(offs[b]);
-      i16x8 bad = splat(0);
+      i16x8 cmin = splat(0x7FFF);
       i16x8 c[4];
 #pragma GCC unroll 4
-      for (int h = 0; h < 4; ++h) {
-        const Prep<F> pr(load8(p + 8 * h));
-        bad |= pr.low;
-        c[h] = pr.code(off, bad);
-      }
-      if (__builtin_expect(any(bad), 0)) {
+      for (int h = 0; h < 4; ++h) c[h] = Prep<F>(load8(p + 8 * h)).code(off, cmin);
+      if (__builtin_expect(below_normal<F>(cmin), 0)) {
         encode_run_exact<F>(orig + kBlock * (g + b), static_cast<uint8_t>(bytes[b]), nullptr,
                             out + kBlock * b, nullptr);
         continue;
@@ -371,7 +420,7 @@ void quantize_rows(const typename Source<S>::In* src, int64_t rows, int64_t K, S
         if constexpr (Sr::kDirect) {
           row_blocks<F>(x + c0, x + c0, n / kBlock, mode, d + c0, sc + c0 / kBlock);
         } else {
-          Sr::stage(x + c0, s->keys, s->vals, n);
+          Sr::stage(x + c0, s->keys, s->vals, n, 0);
           if constexpr (kStagedValues<S>) {
             row_blocks<F>(s->keys, static_cast<const float*>(s->vals), n / kBlock, mode, d + c0,
                           sc + c0 / kBlock);
@@ -509,16 +558,15 @@ void quantize_chunk(const uint16_t* src, int64_t ld, const O* orig, int64_t ld_o
       const int64_t j = kBlock * b;
       i16x8 boff = splat(0);
       if constexpr (BK != BlockKind::None) boff = splat(s.blk_off[brow + b]);
-      i16x8 bad = splat(0);
+      i16x8 cmin = splat(0x7FFF);
       i16x8 bc[4], cc[4];
 #pragma GCC unroll 4
       for (int h = 0; h < 4; ++h) {
         const Prep<F> pr(load8(row + j + 8 * h));
-        bad |= pr.low;
-        if constexpr (BK != BlockKind::None) bc[h] = pr.code(boff, bad);
-        if constexpr (COL) cc[h] = pr.code(load8(s.col_off + j + 8 * h), bad);
+        if constexpr (BK != BlockKind::None) bc[h] = pr.code(boff, cmin);
+        if constexpr (COL) cc[h] = pr.code(load8(s.col_off + j + 8 * h), cmin);
       }
-      if (__builtin_expect(any(bad), 0)) {
+      if (__builtin_expect(below_normal<F>(cmin), 0)) {
         encode_run_exact<F>(orig + r * ld_orig + j,
                             BK != BlockKind::None ? s.blk_byte[brow + b] : uint8_t{0},
                             s.col_byte + j, bo ? bo + j : nullptr, co ? co + j : nullptr);
@@ -585,9 +633,10 @@ void quantize_strip(const typename Source<S>::In* src, int64_t N, int64_t K, int
     if constexpr (Sr::kDirect) {
       quantize_chunk<F, BK, COL>(x, K, x, K, nrows, ncols, mode, blk_out, col_out, K, s, true);
     } else {
+      // Row by row, each row segment one sequential stream, the next row's prefetched
+      // meanwhile (without it the strided rows cost more than the whole encode).
       for (int64_t r = 0; r < nrows; ++r) {
-        if (r + 1 < nrows) prefetch(x + (r + 1) * K);
-        Sr::stage(x + r * K, s.stage + r * ld_stage, s.stage_vals + r * ld_stage, ncols);
+        Sr::stage(x + r * K, s.stage + r * ld_stage, s.stage_vals + r * ld_stage, ncols, K);
       }
       if constexpr (kStagedValues<S>) {
         quantize_chunk<F, BK, COL>(s.stage, ld_stage, static_cast<const float*>(s.stage_vals),
