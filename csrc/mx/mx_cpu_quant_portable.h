@@ -28,12 +28,14 @@
 //   32-element blocks, taken 8 blocks (256 elements) at a time: the 8 block maxima are reduced
 //   into one register by a transposing tree (unpack/shuffle + max, 3 levels: lane i = block i's
 //   amax), the 8 scales computed in that register, and the 8 blocks encoded from L1.
-// * Blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows in chunks of up to 2048
-//   columns (128 KiB of bf16, held in L2). Pass 1 reads the chunk row by row (the next row
-//   prefetched) and keeps the columns' running amaxes (a vertical max) and, for the dual
-//   quantization, the row blocks' amaxes and scales (the tree, 8 blocks at a time). Pass 2
-//   encodes the chunk from L2 row by row, both planes from one load; the plane whose blocks run
-//   down the columns is written in its final layout (per-lane offsets), with no strided pass.
+// * Blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows, in chunks of up to 2048
+//   columns (non-bf16 inputs staged chunk by chunk, each row segment one sequential stream with
+//   the next row's prefetched), each chunk taken panel by panel (32 rows x 32 columns, 2 KiB of
+//   bf16). Pass 1 reads the panel (each row's next panels prefetched) and keeps the columns'
+//   amaxes in 4 registers (the column scales and code offsets stay there) and the row blocks'
+//   maxima, 8 rows at a time, reduced by the max tree into their scales; pass 2 encodes the panel
+//   from L1, both planes of the dual quantization from one load. The plane whose blocks run down
+//   the columns is written in its final layout (per-lane offsets), with no strided second pass.
 // * Work is spread with at::parallel_for over runs of row blocks or over strips, each thread one
 //   contiguous range (one input stream per thread).
 #pragma once
@@ -115,6 +117,12 @@ inline i16x8 max_tree(const i16x8* m) {
   }
   return vmax(__builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14),
               __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15));
+}
+// Every lane: the max of v's lanes.
+inline i16x8 hmax_all(i16x8 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  return vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
 
@@ -456,11 +464,8 @@ struct Scratch {
   // 32 x 2048 bf16 = 128 KiB: the chunk stays in L2 between the two passes.
   static constexpr int64_t kCols = 2048;
   static constexpr int64_t kBlocks = kCols / kBlock;
-  alignas(16) int16_t col_key[kCols];
-  alignas(16) int16_t col_off[kCols];
   alignas(16) uint8_t col_byte[kCols];
-  // Row blocks' offsets and bytes, [row][block]; the tiles' use row 0.
-  alignas(16) int16_t blk_off[kBlock * kBlocks];
+  // Row blocks' scale bytes, [row][block]; the tiles' use row 0.
   alignas(16) uint8_t blk_byte[kBlock * kBlocks];
   // Non-bf16 inputs: the chunk's keys, and (fp16 values) the values the exact path reads.
   alignas(16) uint16_t stage[kBlock * kCols];
@@ -475,110 +480,97 @@ struct Scratch {
 // One chunk: `nrows` (<= 32) rows of `ncols` (a multiple of 32, <= Scratch::kCols) keys at
 // `src` (row stride ld), values for the exact path at `orig` (stride ld_orig); codes to
 // blk_out / col_out (stride ld_out), scale bytes left in s.blk_byte / s.col_byte.
+//
+// Panel by panel (32 rows x 32 columns: one block of every row, 2 KiB of bf16): pass 1 reads
+// the panel (its rows' next panels prefetched when `src` is the input itself) and keeps the
+// columns' amaxes in 4 registers and the row blocks' maxima 8 rows at a time, whose scales come
+// from the max tree; pass 2 encodes the panel again from L1, both planes from one load, the
+// column offsets in registers.
 template <ElemFormat F, BlockKind BK, bool COL, typename O>
 void quantize_chunk(const uint16_t* src, int64_t ld, const O* orig, int64_t ld_orig,
                     int64_t nrows, int64_t ncols, ScaleMode mode, uint8_t* blk_out,
                     uint8_t* col_out, int64_t ld_out, Scratch& s, bool prefetch_src) {
   constexpr bool kNeedCols = COL || BK == BlockKind::Tile;
+  constexpr int64_t kAhead = 2 * kBlock;  // prefetch distance: two panels
   const int64_t nb = ncols / kBlock;
   i16x8 blk_nan = splat(0), col_nan = splat(0);
-
-  // Pass 1: amax keys (columns: a vertical max; row blocks: the tree, 8 blocks at a time).
-  if constexpr (kNeedCols) std::memset(s.col_key, 0, ncols * sizeof(int16_t));
-  for (int64_t r = 0; r < nrows; ++r) {
-    const uint16_t* row = src + r * ld;
-    if constexpr (BK == BlockKind::Row) {
-      for (int64_t g = 0; g < nb; g += 8) {
-        i16x8 m[8];
-#pragma GCC unroll 8
-        for (int b = 0; b < 8; ++b) {
-          if (g + b < nb) {
-            const int64_t j = kBlock * (g + b);
-            if (prefetch_src) prefetch(row + j + ld);
-            i16x8 a[4];
-#pragma GCC unroll 4
-            for (int h = 0; h < 4; ++h) {
-              a[h] = abs8(load8(row + j + 8 * h));
-              if constexpr (COL) {
-                store8(s.col_key + j + 8 * h, vmax(load8(s.col_key + j + 8 * h), a[h]));
-              }
-            }
-            m[b] = vmax(vmax(a[0], a[1]), vmax(a[2], a[3]));
-          } else {
-            m[b] = splat(0);
-          }
-        }
-        const i16x8 bytes = scale_bytes<F>(max_tree(m), mode, blk_nan);
-        store8(s.blk_off + r * Scratch::kBlocks + g, code_offsets<F>(bytes));
-        store_bytes8(s.blk_byte + r * Scratch::kBlocks + g, bytes);
-      }
-    } else {
-      for (int64_t j = 0; j < ncols; j += 32) {
-        if (prefetch_src) prefetch(row + j + ld);
-#pragma GCC unroll 4
-        for (int h = 0; h < 4; ++h) {
-          store8(s.col_key + j + 8 * h,
-                 vmax(load8(s.col_key + j + 8 * h), abs8(load8(row + j + 8 * h))));
-        }
-      }
-    }
-  }
-  if constexpr (BK == BlockKind::Tile) {
-    for (int64_t g = 0; g < nb; g += 8) {
+  alignas(16) int16_t row_off[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t j = kBlock * b;
+    // Pass 1: the panel's amax keys.
+    i16x8 ck[4] = {splat(0), splat(0), splat(0), splat(0)};
+    for (int64_t g = 0; g < nrows; g += 8) {
       i16x8 m[8];
 #pragma GCC unroll 8
-      for (int b = 0; b < 8; ++b) {
-        if (g + b < nb) {
-          const int16_t* k = s.col_key + kBlock * (g + b);
-          m[b] = vmax(vmax(load8(k), load8(k + 8)), vmax(load8(k + 16), load8(k + 24)));
+      for (int rr = 0; rr < 8; ++rr) {
+        if (g + rr < nrows) {
+          const uint16_t* p = src + (g + rr) * ld + j;
+          if (prefetch_src) prefetch(p + kAhead);
+          i16x8 a[4];
+#pragma GCC unroll 4
+          for (int h = 0; h < 4; ++h) {
+            a[h] = abs8(load8(p + 8 * h));
+            if constexpr (kNeedCols) ck[h] = vmax(ck[h], a[h]);
+          }
+          m[rr] = vmax(vmax(a[0], a[1]), vmax(a[2], a[3]));
         } else {
-          m[b] = splat(0);
+          m[rr] = splat(0);
         }
       }
-      const i16x8 bytes = scale_bytes<F>(max_tree(m), mode, blk_nan);
-      store8(s.blk_off + g, code_offsets<F>(bytes));
-      store_bytes8(s.blk_byte + g, bytes);
+      if constexpr (BK == BlockKind::Row) {
+        const i16x8 bytes = scale_bytes<F>(max_tree(m), mode, blk_nan);
+        store8(row_off + g, code_offsets<F>(bytes));
+        const int n = static_cast<int>(std::min<int64_t>(8, nrows - g));
+        for (int rr = 0; rr < n; ++rr) {
+          s.blk_byte[(g + rr) * Scratch::kBlocks + b] = static_cast<uint8_t>(bytes[rr]);
+        }
+      }
     }
-  }
-  if constexpr (COL) {
-    for (int64_t j = 0; j < ncols; j += 8) {
-      const i16x8 bytes = scale_bytes<F>(load8(s.col_key + j), mode, col_nan);
-      store8(s.col_off + j, code_offsets<F>(bytes));
-      store_bytes8(s.col_byte + j, bytes);
+    i16x8 tile_off = splat(0), co[4];
+    if constexpr (BK == BlockKind::Tile) {
+      const i16x8 bytes =
+          scale_bytes<F>(hmax_all(vmax(vmax(ck[0], ck[1]), vmax(ck[2], ck[3]))), mode, blk_nan);
+      tile_off = code_offsets<F>(bytes);
+      s.blk_byte[b] = static_cast<uint8_t>(bytes[0]);
     }
-  }
+    if constexpr (COL) {
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        const i16x8 bytes = scale_bytes<F>(ck[h], mode, col_nan);
+        co[h] = code_offsets<F>(bytes);
+        store_bytes8(s.col_byte + j + 8 * h, bytes);
+      }
+    }
 
-  // Pass 2: the elements, both layouts from one load.
-  for (int64_t r = 0; r < nrows; ++r) {
-    const uint16_t* row = src + r * ld;
-    const int64_t brow = BK == BlockKind::Row ? r * Scratch::kBlocks : 0;
-    uint8_t* bo = BK != BlockKind::None ? blk_out + r * ld_out : nullptr;
-    uint8_t* co = COL ? col_out + r * ld_out : nullptr;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t j = kBlock * b;
-      i16x8 boff = splat(0);
-      if constexpr (BK != BlockKind::None) boff = splat(s.blk_off[brow + b]);
+    // Pass 2: the elements, both layouts from one load (the panel is in L1).
+    for (int64_t r = 0; r < nrows; ++r) {
+      const uint16_t* p = src + r * ld + j;
+      i16x8 boff = tile_off;
+      if constexpr (BK == BlockKind::Row) boff = splat(row_off[r]);
       i16x8 cmin = splat(0x7FFF);
       i16x8 bc[4], cc[4];
 #pragma GCC unroll 4
       for (int h = 0; h < 4; ++h) {
-        const Prep<F> pr(load8(row + j + 8 * h));
+        const Prep<F> pr(load8(p + 8 * h));
         if constexpr (BK != BlockKind::None) bc[h] = pr.code(boff, cmin);
-        if constexpr (COL) cc[h] = pr.code(load8(s.col_off + j + 8 * h), cmin);
+        if constexpr (COL) cc[h] = pr.code(co[h], cmin);
       }
+      uint8_t* bo = BK != BlockKind::None ? blk_out + r * ld_out + j : nullptr;
+      uint8_t* cout = COL ? col_out + r * ld_out + j : nullptr;
       if (__builtin_expect(below_normal<F>(cmin), 0)) {
-        encode_run_exact<F>(orig + r * ld_orig + j,
-                            BK != BlockKind::None ? s.blk_byte[brow + b] : uint8_t{0},
-                            s.col_byte + j, bo ? bo + j : nullptr, co ? co + j : nullptr);
+        const uint8_t bbyte = BK == BlockKind::Row    ? s.blk_byte[r * Scratch::kBlocks + b]
+                              : BK == BlockKind::Tile ? s.blk_byte[b]
+                                                      : uint8_t{0};
+        encode_run_exact<F>(orig + r * ld_orig + j, bbyte, s.col_byte + j, bo, cout);
         continue;
       }
       if constexpr (BK != BlockKind::None) {
-        store_codes(bo + j, bc[0], bc[1]);
-        store_codes(bo + j + 16, bc[2], bc[3]);
+        store_codes(bo, bc[0], bc[1]);
+        store_codes(bo + 16, bc[2], bc[3]);
       }
       if constexpr (COL) {
-        store_codes(co + j, cc[0], cc[1]);
-        store_codes(co + j + 16, cc[2], cc[3]);
+        store_codes(cout, cc[0], cc[1]);
+        store_codes(cout + 16, cc[2], cc[3]);
       }
     }
   }
