@@ -9,8 +9,10 @@
 // from that one read. The element loops are plain C++ over fp32 bit patterns (mx_format.h).
 //
 // AVX2 (and AVX-512) builds take mx_cpu_quant_avx2.h instead: the same strips, encoded in
-// 16-bit lanes from bf16 bits (fp32/fp16 staged as such first), several times faster; the
-// portable loops here remain the path of the base build.
+// 16-bit lanes from bf16 bits (fp32/fp16 staged as such first), several times faster. The base
+// build takes mx_cpu_quant_portable.h: the same 16-bit encode in GCC vector extensions (SSE2 on
+// x86-64, NEON on Arm). The fp32-lane strip kernel here remains for what neither takes (fp64
+// inputs, blocks along rows together with tiles).
 //
 // An fp32 source may come with a `round_to` (bf16 or fp16): an FP32 master quantized as its
 // parameter (mx_quantize_*_from_master). Each element is rounded to that dtype as it is loaded
@@ -25,6 +27,7 @@
 
 #include "../common/mx_format.h"
 #include "mx_cpu_kernels.h"
+#include "mx_cpu_quant_portable.h"
 
 #ifndef ZRW_CPU_ISA
 #error "compile mx_cpu_quant_kernel.cpp with -DZRW_CPU_ISA=<base|avx2|avx512>"
@@ -359,6 +362,12 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
                                  outs_of);
       return;
     }
+  }
+#endif
+#if !defined(__AVX2__)
+  // The portable 16-bit path (mx_cpu_quant_portable.h): bf16, fp16 and fp32 inputs.
+  if (portable_path::quantize_matrices(src, src_dtype, round_to, nmat, N, K, fmt, mode, out)) {
+    return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src_dtype, "zrw_mx_quantize", [&] {
