@@ -24,12 +24,15 @@
 //   zero or bf16-subnormal x gives code <= 0 in every block whose byte is above the bias, and
 //   blocks with a byte at or below the bias (amax below ~2^-112), or NaN/Inf blocks (0xFF), get
 //   k = -0x8000, which makes every code negative. So one test, "a code below 2^M", finds every
-//   run the identity does not cover, and that 32-element run is redone by the exact scalar path
-//   (mx::encode_elem_lane on x * 2^-e from the original input, as the portable kernel does;
-//   kElemNaN for 0xFF blocks), so the bytes are the spec's for every input.
-// * Codes become bytes by packus (negative codes only occur in runs the exact path redoes), a
-//   byte min with the largest finite code, and the sign bits from a signed-saturating pack of
-//   the bf16 patterns themselves (negative -> 0x80).
+//   run the identity does not cover, and that 32-element run is redone by the exact path
+//   (mx::encode_elem_lane's operations on x * 2^-e from the original input, as the portable
+//   kernel computes them, 8 fp32 lanes at a time; kElemNaN for 0xFF blocks), so the bytes are
+//   the spec's for every input. (On randn data ~0.3% of runs per plane take it: elements 2^14
+//   below their block's amax are e4m3 subnormals.)
+// * Codes become bytes by packus (negative codes become 0) and a byte min with the largest
+//   finite code; the exact-path test runs on those bytes (any byte below 2^M), one test per row
+//   and 64 columns for both planes; the sign bits come from a signed-saturating pack of the
+//   bf16 patterns themselves (negative -> 0x80), shared by both planes.
 // * fp32 and fp16 inputs (fp16 widened exactly to fp32) are taken as "jammed bf16": sign,
 //   exponent and the top 7 mantissa bits, with the OR of the 16 dropped bits put into the
 //   lowest kept bit. Jamming is monotone, so block amaxes keep their order, exponent and "above
@@ -40,30 +43,33 @@
 //   mx::f32_to_bf16_bits_rne (NaN payloads first clamped to the quiet NaN so that the add cannot
 //   carry out of them: a NaN stays a NaN or becomes Inf, a 0xFF block either way), to fp16 by
 //   vcvtps2ph (IEEE round to nearest even, what torch's conversion runs), whose values are then
-//   jammed like an fp16 input. The exact path rounds the master element the scalar way.
+//   jammed like an fp16 input. The exact path rounds the master elements the same way (for
+//   finite values the clamp changes nothing, and vcvtps2ph is mx::round_f32_to_f16_value).
 //
 // Layouts and traversal (the design of mx_cpu_quant_avx512.h, with a block in 2 registers):
 // * Amaxes of 16 consecutive blocks along a row come from one reduction tree over their 16
-//   registers (each the max of the block's two halves; 4 levels of shuffle + max, ~4
+//   registers (each the max of the block's two halves; 4 levels of shuffle + max, ~3
 //   instructions per block instead of a horizontal max each); the tree leaves its lanes in a
 //   fixed order, which one byte shuffle of the scale bytes undoes. Amaxes down the columns are
 //   a vertical max.
 // * Blocks along rows only (mx_quantize along the contiguous axis): the rows are streamed in
-//   order, 16 blocks (512 elements) at a time, amaxes then codes from L1: one stream per thread
-//   for the hardware prefetchers, helped by a software prefetch 2 KiB ahead.
+//   order, 64 blocks (2048 elements) at a time, four trees' amaxes then the codes from L1: one
+//   stream per thread for the hardware prefetchers, helped by a software prefetch one group
+//   ahead.
 // * Blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows, in chunks of up to
 //   2048 columns (128 KiB as 16-bit keys, held in L2). Pass 1 reads the chunk row by row (each
 //   row segment one sequential stream, the next row prefetched meanwhile), computes the row
 //   blocks' amaxes and the columns' running amaxes, and stages fp32/fp16 inputs as 16-bit keys;
 //   pass 2 encodes the chunk from L2, 64 columns x 32 rows at a time (a 64-byte output line per
-//   row and plane). Both planes of the dual quantization come from that one read, the plane
-//   whose blocks run down the columns written in its final layout (no strided second pass).
+//   row and plane), while it prefetches the next chunk into L2. Both planes of the dual
+//   quantization come from that one read, the plane whose blocks run down the columns written
+//   in its final layout (no strided second pass).
 // * Partial blocks (K not a multiple of 32) go through a padded copy whose missing elements
 //   repeat a real one of the block (the amax is unchanged, as with zeros, and no lane falls to
 //   the exact path for them); only the real bytes are copied out.
 // * Data planes are written with non-temporal stores (full 64-byte lines) when they are large
 //   (they would only evict the input from the caches) and aligned; scales with plain stores.
-// * Threads (at::parallel_for) take runs of 16-block groups (rows only) or of strips.
+// * Threads (at::parallel_for) take runs of 64-block groups (rows only) or of strips.
 #pragma once
 
 #if !defined(__AVX2__) || !defined(ZRW_CPU_ISA)
@@ -252,15 +258,21 @@ inline __m256i codes(__m256i t, __m256i k) {
 inline __m256i sign_bytes(__m256i x0, __m256i x1) {
   return _mm256_and_si256(_mm256_packs_epi16(x0, x1), _mm256_set1_epi8(static_cast<char>(0x80)));
 }
-// 32 codes + their sign bytes -> 32 element bytes in order.
+// 32 codes -> their bytes clamped to the largest finite code (in pack order: negative codes
+// become 0, so a byte below 2^M marks a run for the exact path).
 template <ElemFormat F>
-inline __m256i code_bytes(__m256i c0, __m256i c1, __m256i sign) {
-  const __m256i m = _mm256_min_epu8(_mm256_packus_epi16(c0, c1),
-                                    _mm256_set1_epi8(Bf16Encode<F>::kMaxCode));
+inline __m256i clamped_bytes(__m256i c0, __m256i c1) {
+  return _mm256_min_epu8(_mm256_packus_epi16(c0, c1), _mm256_set1_epi8(Bf16Encode<F>::kMaxCode));
+}
+// Clamped bytes + their sign bytes -> 32 element bytes in order.
+inline __m256i in_order(__m256i m, __m256i sign) {
   return _mm256_permute4x64_epi64(_mm256_or_si256(m, sign), 0xD8);
 }
-inline bool any_low(__m256i lo, __m256i min_normal) {
-  return _mm256_movemask_epi8(_mm256_cmpgt_epi16(min_normal, lo)) != 0;
+// Whether any byte of m is below the element format's smallest normal code.
+template <ElemFormat F>
+inline bool any_low(__m256i m) {
+  const __m256i below = _mm256_set1_epi8(Bf16Encode<F>::kMinNormalCode - 1);
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(m, below), m)) != 0;
 }
 
 inline void store32(uint8_t* p, __m256i v, bool nt) {
@@ -272,26 +284,6 @@ inline void store32(uint8_t* p, __m256i v, bool nt) {
 }
 
 // ---- sources ---------------------------------------------------------------------------------
-// Input elements as fp32: bf16 travels as its bit pattern (uint16_t).
-inline float to_float(uint16_t bf16_bits) {
-  return zrw::mx::bits_f32(static_cast<uint32_t>(bf16_bits) << 16);
-}
-inline float to_float(float x) { return x; }
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-// An input element's value as the quantization sees it: fp32 master elements rounded to the
-// parameter dtype first (Round::BF16 / F16), everything else as it is.
-template <Round R, typename T>
-inline float element_value(T x) {
-  if constexpr (R == Round::BF16) {
-    return to_float(zrw::mx::f32_to_bf16_bits_rne(x));
-  } else if constexpr (R == Round::F16) {
-    return zrw::mx::round_f32_to_f16_value(x);
-  } else {
-    return to_float(x);
-  }
-}
-
 // 8 fp32 lanes -> 8 jammed bf16 keys in 32-bit lanes: the low half plus 0xFFFF carries into
 // bit 16 exactly when a dropped bit is set.
 inline __m256i jam8(__m256 v) {
@@ -342,7 +334,8 @@ inline __m256i keys16(const at::Half* p) {
 }
 
 // ---- the exact path --------------------------------------------------------------------------
-// 8 input elements as the fp32 values the quantization sees (element_value, vectorized). A NaN
+// 8 input elements as the fp32 values the quantization sees: bf16 (uint16_t bits) and fp16
+// widened, fp32 masters first rounded to the parameter dtype (Round::BF16 / F16). A NaN
 // master element may come out as Inf (round_bf16_8): its block and column are 0xFF either way,
 // and their bytes kElemNaN whatever the value.
 template <Round R>
@@ -417,7 +410,8 @@ inline __m256i narrow32(const __m256i* c) {
 // The exact path for one 32-element run of a row: every element through x * 2^-e and the
 // encode of mx::encode_elem_lane, the way the portable kernel computes it, kElemNaN for 0xFF
 // blocks or columns (runs that hold a zero, a subnormal, an element below the format's normal
-// range, or a NaN/Inf block: rare, but 20x the scalar loop's speed keeps them from showing).
+// range, or a NaN/Inf block). Vectorized: on randn data ~0.3% of each plane's runs come here,
+// which a scalar loop made an estimated ~10% of the dual quantization's time.
 // blk_out (with the block's byte) and col_out (with the columns' bytes) may be null.
 template <ElemFormat F, Round R, typename T>
 inline void exact_run(const T* x, uint8_t blk_byte, const uint8_t* col_bytes, uint8_t* blk_out,
@@ -472,7 +466,6 @@ constexpr int64_t kRowPrefetch = 2048;
 template <ElemFormat F, Round R, bool FULL, typename T>
 inline void row_group(const T* src, int nblk, ScaleMode mode, uint8_t* data, uint8_t* scale,
                       bool nt, RowScratch& s) {
-  using C = Bf16Encode<F>;
   constexpr bool kStage = !std::is_same_v<T, uint16_t>;
   if constexpr (FULL) nblk = kRowGroupBlocks;
 #pragma GCC unroll 1
@@ -504,17 +497,17 @@ inline void row_group(const T* src, int nblk, ScaleMode mode, uint8_t* data, uin
   } else {
     xs = src;
   }
-  const __m256i min_normal = set16(C::kMinNormalCode);
   auto encode = [&](int blk) {
     const __m256i k = _mm256_set1_epi16(s.k[blk]);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * blk));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 32 * blk + 16));
-    const __m256i c0 = codes<F>(round_base<F>(x0), k), c1 = codes<F>(round_base<F>(x1), k);
-    if (__builtin_expect(any_low(_mm256_min_epi16(c0, c1), min_normal), 0)) {
+    const __m256i m = clamped_bytes<F>(codes<F>(round_base<F>(x0), k),
+                                       codes<F>(round_base<F>(x1), k));
+    if (__builtin_expect(any_low<F>(m), 0)) {
       exact_run<F, R>(src + 32 * blk, s.byte[blk], nullptr, data + 32 * blk, nullptr);
       return;
     }
-    store32(data + 32 * blk, code_bytes<F>(c0, c1, sign_bytes(x0, x1)), nt);
+    store32(data + 32 * blk, in_order(m, sign_bytes(x0, x1)), nt);
   };
   if constexpr (FULL) {
 #pragma GCC unroll 4
@@ -627,7 +620,6 @@ void strip_chunk(const T* src, int64_t ld, int nrows, int W, int wvalid, ScaleMo
                  uint8_t* blk_data, uint8_t* blk_scale, int64_t ld_scale, uint8_t* col_data,
                  uint8_t* col_scale, int64_t ld_out, bool nt, bool pf_ok, const T* next,
                  StripScratch& s) {
-  using C = Bf16Encode<F>;
   constexpr bool kStage = !std::is_same_v<T, uint16_t>;
   constexpr bool kRow = BK == BlockKind::Row;
   constexpr bool kColKeys = COL || BK == BlockKind::Tile;
@@ -691,7 +683,6 @@ void strip_chunk(const T* src, int64_t ld, int nrows, int W, int wvalid, ScaleMo
     xs = src;
     ldx = ld;
   }
-  const __m256i min_normal = set16(C::kMinNormalCode);
   auto group = [&](int b0, auto nb_tag) {
     constexpr int NB = decltype(nb_tag)::value;
     __m256i ck[NB][2];
@@ -716,32 +707,29 @@ void strip_chunk(const T* src, int64_t ld, int nrows, int W, int wvalid, ScaleMo
         }
       }
       const uint16_t* x = xs + r * ldx + 32 * b0;
-      __m256i xv[NB][2], bc[NB][2], cc[NB][2], lo[NB];
+      __m256i xv[NB][2], mb[NB], mc[NB], lo[NB];
 #pragma GCC unroll 2
       for (int b = 0; b < NB; ++b) {
         const __m256i bk = kRow ? _mm256_set1_epi16(s.row_k[r][b0 + b]) : tk[b];
+        __m256i bc[2], cc[2];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           xv[b][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * b + 16 * h));
           const __m256i t = round_base<F>(xv[b][h]);
-          __m256i l = _mm256_setzero_si256();
-          if constexpr (BK != BlockKind::None) {
-            bc[b][h] = codes<F>(t, bk);
-            l = bc[b][h];
-          }
-          if constexpr (COL) {
-            cc[b][h] = codes<F>(t, ck[b][h]);
-            l = BK != BlockKind::None ? _mm256_min_epi16(l, cc[b][h]) : cc[b][h];
-          }
-          lo[b] = h == 0 ? l : _mm256_min_epi16(lo[b], l);
+          if constexpr (BK != BlockKind::None) bc[h] = codes<F>(t, bk);
+          if constexpr (COL) cc[h] = codes<F>(t, ck[b][h]);
         }
+        if constexpr (BK != BlockKind::None) lo[b] = mb[b] = clamped_bytes<F>(bc[0], bc[1]);
+        if constexpr (COL) mc[b] = clamped_bytes<F>(cc[0], cc[1]);
+        if constexpr (COL && BK != BlockKind::None) lo[b] = _mm256_min_epu8(mb[b], mc[b]);
+        if constexpr (COL && BK == BlockKind::None) lo[b] = mc[b];
       }
-      const __m256i lo_all = NB == 2 ? _mm256_min_epi16(lo[0], lo[NB - 1]) : lo[0];
-      const bool any_bad = any_low(lo_all, min_normal);
+      // One test per row and 64 columns for every lane of both planes.
+      const bool any_bad = any_low<F>(NB == 2 ? _mm256_min_epu8(lo[0], lo[NB - 1]) : lo[0]);
 #pragma GCC unroll 2
       for (int b = 0; b < NB; ++b) {
         const int64_t j = 32 * (b0 + b);
-        if (__builtin_expect(any_bad, 0) && any_low(lo[b], min_normal)) {
+        if (__builtin_expect(any_bad, 0) && any_low<F>(lo[b])) {
           uint8_t byte = 0;
           if constexpr (kRow) byte = s.row_byte[r][b0 + b];
           if constexpr (BK == BlockKind::Tile) byte = tile_byte[b0 + b];
@@ -752,11 +740,9 @@ void strip_chunk(const T* src, int64_t ld, int nrows, int W, int wvalid, ScaleMo
         }
         const __m256i sign = sign_bytes(xv[b][0], xv[b][1]);
         if constexpr (BK != BlockKind::None) {
-          store32(blk_data + r * ld_out + j, code_bytes<F>(bc[b][0], bc[b][1], sign), nt);
+          store32(blk_data + r * ld_out + j, in_order(mb[b], sign), nt);
         }
-        if constexpr (COL) {
-          store32(col_data + r * ld_out + j, code_bytes<F>(cc[b][0], cc[b][1], sign), nt);
-        }
+        if constexpr (COL) store32(col_data + r * ld_out + j, in_order(mc[b], sign), nt);
       }
     }
   };
