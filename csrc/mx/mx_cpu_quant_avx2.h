@@ -40,11 +40,11 @@
 //   (M <= 3), so nearest-even rounding to M bits sees the same above/at/below-half decision.
 // * An FP32 master quantized as its bf16/fp16 parameter (Round::BF16 / Round::F16, the
 //   *_from_master ops) is rounded to that dtype as it is loaded: to bf16 by the bias add of
-//   mx::f32_to_bf16_bits_rne (NaN payloads first clamped to the quiet NaN so that the add cannot
-//   carry out of them: a NaN stays a NaN or becomes Inf, a 0xFF block either way), to fp16 by
+//   mx::f32_to_bf16_bits_rne (a NaN first turned into +Inf, so that the add cannot carry out
+//   of its payload: a 0xFF block either way, whose bytes are kElemNaN), to fp16 by
 //   vcvtps2ph (IEEE round to nearest even, what torch's conversion runs), whose values are then
-//   jammed like an fp16 input. The exact path rounds the master elements the same way (for
-//   finite values the clamp changes nothing, and vcvtps2ph is mx::round_f32_to_f16_value).
+//   jammed like an fp16 input. The exact path rounds the master elements the same way (the
+//   same bits for every non-NaN, and vcvtps2ph is mx::round_f32_to_f16_value).
 //
 // Layouts and traversal (the design of mx_cpu_quant_avx512.h, with a block in 2 registers):
 // * Amaxes of 16 consecutive blocks along a row come from one reduction tree over their 16
@@ -294,11 +294,12 @@ inline __m256i jam8(__m256 v) {
 }
 
 // 8 fp32 lanes -> their bf16 bit patterns in 32-bit lanes, rounded to nearest even as torch
-// converts (mx::f32_to_bf16_bits_rne; NaN payloads clamped first, see the header comment).
+// converts (mx::f32_to_bf16_bits_rne), except that a NaN becomes +Inf first (vminps returns its
+// second operand for a NaN; finite values and infinities pass), so that the add cannot carry
+// out of a NaN payload: the key is still an exponent-0xFF one, a 0xFF block.
 inline __m256i round_bf16_8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  u = _mm256_min_epu32(_mm256_min_epi32(u, _mm256_set1_epi32(0x7FC00000)),
-                       _mm256_set1_epi32(static_cast<int>(0xFFC00000u)));
+  const __m256i u = _mm256_castps_si256(
+      _mm256_min_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000))));
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
                            16);
@@ -336,8 +337,8 @@ inline __m256i keys16(const at::Half* p) {
 // ---- the exact path --------------------------------------------------------------------------
 // 8 input elements as the fp32 values the quantization sees: bf16 (uint16_t bits) and fp16
 // widened, fp32 masters first rounded to the parameter dtype (Round::BF16 / F16). A NaN
-// master element may come out as Inf (round_bf16_8): its block and column are 0xFF either way,
-// and their bytes kElemNaN whatever the value.
+// master element comes out as Inf (round_bf16_8): its block and column are 0xFF either way, and
+// their bytes kElemNaN whatever the value.
 template <Round R>
 inline __m256 values8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -746,6 +747,7 @@ void strip_chunk(const T* src, int64_t ld, int nrows, int W, int wvalid, ScaleMo
       }
     }
   };
+  // Column groups outer, rows inner (row-major order measured the same).
   int b0 = 0;
   for (; b0 + 2 <= nbw; b0 += 2) group(b0, std::integral_constant<int, 2>{});
   if (b0 < nbw) group(b0, std::integral_constant<int, 1>{});
