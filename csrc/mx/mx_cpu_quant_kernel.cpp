@@ -221,61 +221,35 @@ void quantize_strip(const T* src, int64_t N, int64_t K, int64_t r0, ScaleMode mo
 
 #if defined(__AVX2__)
 // The AVX2 path (mx_cpu_quant_avx2.h) for blocks along rows or 32x32 tiles (or neither), with
-// or without blocks down the columns. T: uint16_t (bf16 bits), float or at::Half; R: how fp32
-// elements are rounded first (an FP32 master quantized as its bf16/fp16 parameter).
-template <avx2_path::Round R, typename T, typename OutsOf>
+// or without blocks down the columns, over `nmat` dense (N, K) matrices. T: uint16_t (bf16
+// bits), float or at::Half; R: how fp32 elements are rounded first (an FP32 master quantized as
+// its bf16/fp16 parameter).
+template <avx2_path::Round R, typename T>
 void quantize_avx2(const T* src, int64_t nmat, int64_t N, int64_t K, ElemFormat fmt,
-                        ScaleMode mode, const QuantOutputs& out, const OutsOf& outs_of) {
+                   ScaleMode mode, const QuantOutputs& out) {
   using avx2_path::BlockKind;
-  const int64_t strips = mx::ceil_div(N, kBlock);
-  const int64_t total = nmat * strips;
-  const BlockKind bk =
-      out.row_data ? BlockKind::Row : (out.tile_data ? BlockKind::Tile : BlockKind::None);
-  const bool col = out.col_data != nullptr;
-  auto run = [&](auto f_tag, auto bk_tag, auto col_tag) {
+  auto with_fmt = [&](auto f_tag) {
     constexpr ElemFormat F = decltype(f_tag)::value;
-    constexpr BlockKind BK = decltype(bk_tag)::value;
-    constexpr bool COL = decltype(col_tag)::value;
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
-    auto aligned = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
-    const bool nt = K % kBlock == 0 && nmat * N * K >= (int64_t{4} << 20) &&
-                    aligned(out.row_data) && aligned(out.col_data) && aligned(out.tile_data);
-    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-      auto scratch = std::make_unique<avx2_path::Scratch>();
-      scratch->nt = nt;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / strips;
-        const QuantOutputs o = outs_of(m);
-        uint8_t* blk_data = BK == BlockKind::Row ? o.row_data : o.tile_data;
-        uint8_t* blk_scale = BK == BlockKind::Row ? o.row_scale : o.tile_scale;
-        avx2_path::quantize_strip<F, BK, COL, R>(src + m * N * K, N, K, (i % strips) * kBlock,
-                                                 mode, blk_data, blk_scale, o.col_data,
-                                                 o.col_scale, *scratch);
-      }
-      if (nt) _mm_sfence();
-    });
-  };
-  // Runtime choices -> template arguments.
-  auto with_col = [&](auto f_tag, auto bk_tag) {
-    if (col) {
-      run(f_tag, bk_tag, std::true_type{});
-    } else {
-      run(f_tag, bk_tag, std::false_type{});
-    }
-  };
-  auto with_block_kind = [&](auto f_tag) {
-    if (bk == BlockKind::Row) {
-      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Row>{});
-    } else if (bk == BlockKind::Tile) {
-      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::Tile>{});
-    } else {
-      with_col(f_tag, std::integral_constant<BlockKind, BlockKind::None>{});
+    if (out.row_data && !out.col_data) {
+      avx2_path::quantize_rows<F, R>(src, nmat * N, K, mode, out.row_data, out.row_scale);
+    } else if (out.row_data) {
+      avx2_path::quantize_strips<F, BlockKind::Row, true, R>(
+          src, nmat, N, K, mode, out.row_data, out.row_scale, out.col_data, out.col_scale);
+    } else if (out.tile_data && out.col_data) {
+      avx2_path::quantize_strips<F, BlockKind::Tile, true, R>(
+          src, nmat, N, K, mode, out.tile_data, out.tile_scale, out.col_data, out.col_scale);
+    } else if (out.tile_data) {
+      avx2_path::quantize_strips<F, BlockKind::Tile, false, R>(
+          src, nmat, N, K, mode, out.tile_data, out.tile_scale, nullptr, nullptr);
+    } else if (out.col_data) {
+      avx2_path::quantize_strips<F, BlockKind::None, true, R>(
+          src, nmat, N, K, mode, nullptr, nullptr, out.col_data, out.col_scale);
     }
   };
   if (fmt == ElemFormat::E4M3) {
-    with_block_kind(std::integral_constant<ElemFormat, ElemFormat::E4M3>{});
+    with_fmt(std::integral_constant<ElemFormat, ElemFormat::E4M3>{});
   } else {
-    with_block_kind(std::integral_constant<ElemFormat, ElemFormat::E5M2>{});
+    with_fmt(std::integral_constant<ElemFormat, ElemFormat::E5M2>{});
   }
 }
 #endif
@@ -342,24 +316,22 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
   if (!(out.row_data && out.tile_data)) {  // every combination the ops request
     using avx2_path::Round;
     if (src_dtype == at::kBFloat16) {
-      quantize_avx2<Round::None>(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out,
-                                 outs_of);
+      quantize_avx2<Round::None>(static_cast<const uint16_t*>(src), nmat, N, K, fmt, mode, out);
       return;
     }
     if (src_dtype == at::kFloat) {
       const float* f = static_cast<const float*>(src);
       if (round_to == at::kBFloat16) {
-        quantize_avx2<Round::BF16>(f, nmat, N, K, fmt, mode, out, outs_of);
+        quantize_avx2<Round::BF16>(f, nmat, N, K, fmt, mode, out);
       } else if (round_to == at::kHalf) {
-        quantize_avx2<Round::F16>(f, nmat, N, K, fmt, mode, out, outs_of);
+        quantize_avx2<Round::F16>(f, nmat, N, K, fmt, mode, out);
       } else {
-        quantize_avx2<Round::None>(f, nmat, N, K, fmt, mode, out, outs_of);
+        quantize_avx2<Round::None>(f, nmat, N, K, fmt, mode, out);
       }
       return;
     }
     if (src_dtype == at::kHalf) {
-      quantize_avx2<Round::None>(static_cast<const at::Half*>(src), nmat, N, K, fmt, mode, out,
-                                 outs_of);
+      quantize_avx2<Round::None>(static_cast<const at::Half*>(src), nmat, N, K, fmt, mode, out);
       return;
     }
   }
