@@ -749,7 +749,7 @@ ISA_SCRIPT = textwrap.dedent(
 
     gen = torch.Generator().manual_seed(0)
     failures = []
-    shapes = [(1, 1), (1, 33), (31, 65), (100, 70), (3, 40, 70), (5, 1100), (40, 2100)]
+    shapes = [(1, 1), (1, 33), (31, 65), (100, 70), (3, 40, 70), (5, 1100), (40, 2100), (64, 64)]
     for shape in shapes:
         base = torch.randn(shape, generator=gen, dtype=torch.float64)
         base = base * torch.exp2(torch.randint(-30, 31, shape, generator=gen).double())
@@ -784,6 +784,23 @@ ISA_SCRIPT = textwrap.dedent(
                     if not (torch.equal(b(got[1]), b(exp[1]))
                             and same((got[0], fwd), (exp[0], fwd), -1)):
                         failures.append(("mx_quantize_block",) + tag)
+    # A weight large enough for the kernels' non-temporal stores (a 4 MiB data plane) and
+    # whole 32x32 panels, bf16 with a wide exponent range and zeros: every op and layout.
+    x = (torch.randn(2048, 2048, generator=gen) * torch.exp2(
+        torch.randint(-20, 21, (2048, 2048), generator=gen).float())).to(torch.bfloat16)
+    x[::97] = 0
+    for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tag = ("2048x2048", str(elem))
+        for dim in (0, 1):
+            if not same(ops.mx_quantize(x, dim, elem), ref.mx_quantize(x, dim, elem), dim):
+                failures.append(("mx_quantize", dim) + tag)
+        got, exp = ops.mx_quantize_dual(x, elem), ref.mx_quantize_dual(x, elem)
+        if not (same(got[:2], exp[:2], -1) and same(got[2:], exp[2:], -2)):
+            failures.append(("mx_quantize_dual",) + tag)
+        got, exp = ops.mx_quantize_block(x, elem), ref.mx_quantize_block(x, elem)
+        fwd = ref.expand_block_scale(exp[1], x.shape, -1)
+        if not (torch.equal(b(got[1]), b(exp[1])) and same((got[0], fwd), (exp[0], fwd), -1)):
+            failures.append(("mx_quantize_block",) + tag)
     # dequantization: every element byte under every scale byte, blocks along either axis
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
