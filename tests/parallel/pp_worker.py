@@ -139,6 +139,7 @@ def recorder(opt, weights, base):
                     "restored_bytes": s["restored_bytes"],
                     "live": zrw.memory.current() - base["live"],
                     "peak": zrw.memory.peak() - base["live"],
+                    "workspace": zrw.ops.matmul_workspace_bytes(),
                     "all_released": all(zrw.cache.is_released(w) for w in weights)})
 
     opt.register_step_pre_hook(pre_step)
@@ -191,6 +192,9 @@ def run_pp(case, mode, steps, micro, world, rank):
     losses = []
     first, last = 0 in stage_ids, n_stages - 1 in stage_ids
     zrw.cache.cache_clear()  # the counters below start from 0
+    # mx_matmul's tile workspace persists between calls: freed here, each mode allocates it in
+    # its own first step instead of the first mode of the process paying for both.
+    zrw.ops.free_matmul_workspace()
     # The memory baseline: the first step's start, after a barrier (gloo's threads free the
     # buffers of the previous collective, e.g. the last case's all_gather_object, when they
     # get to it, so a baseline read right after it may still count them).

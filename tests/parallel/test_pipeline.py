@@ -121,12 +121,22 @@ def check_case(res, name, world):
             assert s["released_bytes"] == 0 and not s["all_released"], (rank, i)
         # zrw.memory: 2N less at the end of every schedule.step() and at the start of every
         # step after the first; the window peak (the schedule) 2N lower; no growth in steps 2..
-        live = [x["live"] - y["live"] for x, y in zip(b["log"], a["log"])]
+        # mx_matmul's tile workspace (a constant that persists between GEMMs, at most 40 MiB) is
+        # taken out: its size is that of the largest GEMM tiles the mode's call order has met,
+        # which can differ by a few KiB between the modes.
+        def ws(r):
+            return [x["workspace"] for x in r["log"]]
+
+        live = [x["live"] - wx - (y["live"] - wy)
+                for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))]
         assert all(abs(d - n2) < SLACK for d in live), (rank, live, n2)
+        # a step's start holds the workspace the previous step ended with
         starts = [x - y for x, y in zip(b["starts"], a["starts"])]
+        starts[1:] = [d - wx + wy for d, wx, wy in zip(starts[1:], ws(b), ws(a))]
         assert starts[0] == 0  # the baseline (both modes start step 1 with the BF16 weights)
         assert all(abs(d - n2) < SLACK for d in starts[1:]), (rank, starts, n2)
-        peaks = [x["peak"] - y["peak"] for x, y in zip(b["log"], a["log"])]
+        peaks = [x["peak"] - wx - (y["peak"] - wy)
+                 for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))]
         assert abs(statistics.median(peaks) - n2) < SLACK, (rank, peaks, n2)
         assert max(a["starts"][1:]) - min(a["starts"][1:]) < SLACK, (rank, a["starts"])
 

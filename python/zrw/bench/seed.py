@@ -56,7 +56,7 @@ from typing import Dict, List, Optional
 import torch
 
 import zrw
-from zrw import cache, memory
+from zrw import cache, memory, ops
 from zrw.bench import seed_2d
 from zrw.bench._timing import print_table
 from zrw.optim import MasterWeights, attach
@@ -317,6 +317,9 @@ def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out
     memory.install()  # before any model exists: every allocation and free is counted
     results, info = {}, None
     for mode in ("before", "after"):
+        # mx_matmul's tile workspace persists between calls: each mode allocates its own
+        # (equal) one instead of the first mode allocating it for both.
+        ops.free_matmul_workspace()
         results[mode], info = _train_mode(mode, run, s, layers, args)
         gc.collect()
     mine = {"rank": rank, "before": asdict(results["before"]), "after": asdict(results["after"]),

@@ -32,7 +32,7 @@ import torch
 import zrw
 import zrw.fsdp
 import zrw.testing
-from zrw import memory
+from zrw import memory, ops
 from zrw.bench._timing import print_table
 
 MIB = 2 ** 20
@@ -145,6 +145,7 @@ def _rank(rank: int, build, s: dict, layers: int, args: dict, port: int, out: st
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     mine = {"rank": rank}
     for mode in ("before", "after"):
+        ops.free_matmul_workspace()  # each mode allocates its own (see bench seed)
         mine[mode] = _train(mode, build, s, layers, args, mesh)
         gc.collect()
     gathered = [None] * (DP * TP)
