@@ -209,15 +209,14 @@ def mx_matmul(
     Q_M(dy).t() and Q_M(x).t() — and is never copied to make it contiguous.
 
     On CPU it is emulated, exactly: both operands are dequantized in row tiles (an MX value
-    times a power of two is an fp32 value) and multiplied by a GEMM that accumulates in fp32,
-    each product tile written straight into the result. Where the CPU has native BF16 dot
-    products (avx512_bf16, AMX-BF16) and out_dtype is bf16, the tiles are bf16 and the GEMM is
-    torch's BF16 GEMM (`zrw.backends()["cpu"]["gemm"]`); elsewhere fp32 tiles and the fp32 GEMM.
-    The tiles (an A tile of at most 16 MiB and a B tile of 8 MiB, plus, for a bf16/fp16 result
-    of the fp32 GEMM, a 16 MiB product tile: 40 MiB) live in a workspace that persists between
-    calls; see
-    `matmul_workspace_bytes` and `free_matmul_workspace`. A hardware MX GEMM where the backend
-    has one.
+    times a power of two is an fp32 value) and multiplied by a GEMM that accumulates in fp32.
+    Where the CPU has native BF16 dot products (avx512_bf16, AMX-BF16) and out_dtype is bf16,
+    the tiles are bf16 and torch's BF16 GEMM writes each product tile straight into the result
+    (`zrw.backends()["cpu"]["gemm"]`); elsewhere fp32 tiles and the fp32 GEMM, whose products go
+    through an fp32 product tile when the result is bf16/fp16. The tiles (an A tile of at most
+    16 MiB, a B tile of 8 MiB and a 16 MiB product tile: 40 MiB) live in a workspace that
+    persists between calls; see `matmul_workspace_bytes` and `free_matmul_workspace`. A hardware
+    MX GEMM where the backend has one.
     """
     _check_types(_MATMUL, a, a_scale, b, b_scale, out_dtype)
     return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)
