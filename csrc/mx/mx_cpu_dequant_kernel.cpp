@@ -1,10 +1,11 @@
 // The CPU dequantization loops, compiled once per instruction set like the quantization kernel
 // (see CMakeLists.txt): each element is decoded (mx::decode_elem) and multiplied by its block's
 // scale in fp32, the same product as the reference's, and written as fp32 or, for mx_matmul's
-// BF16 GEMM tiles, as bf16 bits (the product's top half: no fp32 staging; see
-// DequantizeBf16Fn for when that is exact). AVX-512 builds run the intrinsics of
-// mx_cpu_dequant_avx512.h (16 elements per step, masked tails), AVX2 builds those of
-// mx_cpu_dequant_avx2.h (8 per step); the base build the plain loops below.
+// BF16 GEMM tiles, as bf16 bits with no fp32 staging buffer (see DequantizeBf16Fn for when that
+// is exact). AVX-512 builds run the intrinsics of mx_cpu_dequant_avx512.h (fp32: 16 elements
+// per step; bf16: 32 per step in 16-bit lanes, a table lookup and an exponent add), AVX2 builds
+// those of mx_cpu_dequant_avx2.h (8 per step, the fp32 product's top half for bf16); the base
+// build the plain loops below.
 #include <ATen/ATen.h>
 
 #include "../common/mx_format.h"
