@@ -25,12 +25,14 @@ masters; no moments, to fit host memory: the release does not depend on the opti
 zrw.memory's counting allocator gives the peak live bytes of the forward/backward window (first
 forward to the optimizer pre-hook) and of the optimizer step, for every step; both modes see the
 same data, so each step after the first (which also allocates what later steps reuse) gives a
-saving, "before" minus "after", and the figure is the median of those per-step savings. (Gloo's
-worker thread drops its reference to a collective's buffers after the waiting rank has moved on,
-at a moment the scheduler picks: on a busy host a few KiB of activations, e.g. the gathered
-logits, now and then outlive the point of a step's peak in one mode. That moves one step's saving;
-the median over the steps is untouched unless most of them are hit. MoE peaks differ from step to
-step with the routing, so savings are taken per step, never across steps.) Per rank it prints
+saving, "before" minus "after", and the figure is the saving that the most steps measured to the
+byte (bench._timing.typical_step). (Gloo's worker thread drops its reference to a collective's
+buffers after the waiting rank has moved on, at a moment the scheduler picks: on a busy host a
+few KiB of activations, e.g. the gathered logits, now and then outlive the point of a step's
+peak in one mode. That moves one step's saving by that buffer; clean steps agree to the byte, so
+the most common saving is untouched unless a single noise value is as common as the clean one.
+MoE peaks differ from step to step with the routing, so savings are taken per step, never
+across steps.) Per rank it prints
 the converted parameters it holds, the theory 2N, the measured window and global-peak savings,
 the seed's figure, and whether the losses with and without release are bit for bit equal.
 
@@ -58,7 +60,7 @@ import torch
 import zrw
 from zrw import cache, memory, ops
 from zrw.bench import seed_2d
-from zrw.bench._timing import print_table
+from zrw.bench._timing import print_table, typical_step
 from zrw.optim import MasterWeights, attach
 
 MIB = 2 ** 20
@@ -152,6 +154,7 @@ class ModeResult:
     losses: List[float] = field(default_factory=list)
     window_peaks: List[int] = field(default_factory=list)     # per step
     optimizer_peaks: List[int] = field(default_factory=list)  # per step
+    workspace_bytes: List[int] = field(default_factory=list)  # mx_matmul's, per step
     released_bytes: int = 0
 
 
@@ -174,6 +177,7 @@ def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (Mode
 
     def window_end(o, a, k):  # before zrw's boundary touches anything
         res.window_peaks.append(memory.peak())
+        res.workspace_bytes.append(ops.matmul_workspace_bytes())
         marks["released"] = cache.cache_stats()["released_bytes"]
 
     opt.register_step_pre_hook(window_end)
@@ -399,12 +403,12 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
     for r in ranks:
         b, a = r["before"], r["after"]
         theory = 2 * r["local_elements"]
-        # per step (the same data in both modes), after the first; the median step's figures
+        # per step (the same data in both modes), after the first; the typical step's figures
         wb, wa = b["window_peaks"], a["window_peaks"]
         gb = [max(w, o) for w, o in zip(wb, b["optimizer_peaks"])]
         ga = [max(w, o) for w, o in zip(wa, a["optimizer_peaks"])]
-        sw = _median_step([wb[i] - wa[i] for i in range(len(wb))])
-        sg = _median_step([gb[i] - ga[i] for i in range(len(gb))])
+        sw = typical_step([wb[i] - wa[i] for i in range(len(wb))])
+        sg = typical_step([gb[i] - ga[i] for i in range(len(gb))])
         window = wb[sw] - wa[sw]
         glob_b, glob_a = gb[sg], ga[sg]
         phase = {m: "fwd/bwd" if r[m]["window_peaks"][sg] >= r[m]["optimizer_peaks"][sg]
@@ -422,7 +426,10 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
             "window_peak_after_bytes": wa[sw],
             "window_saving_per_step_bytes": [wb[i] - wa[i] for i in range(len(wb))],
             "global_saving_per_step_bytes": [gb[i] - ga[i] for i in range(len(gb))],
-            "median_steps": {"window": sw, "global": sg},
+            "window_peaks_per_step_bytes": {"before": wb, "after": wa},
+            "workspace_per_step_bytes": {"before": b["workspace_bytes"],
+                                         "after": a["workspace_bytes"]},
+            "typical_steps": {"window": sw, "global": sg},
             "global_peak_before_bytes": glob_b,
             "global_peak_after_bytes": glob_a,
             "global_peak_phase": phase,
@@ -447,14 +454,6 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
                                          "saving_mib": seed_saving / MIB} if has_seed else None,
             "moe_explanation": moe_explanation(s) if run["kind"] == "moe" and not tiny else None,
             "ranks": rows}
-
-
-def _median_step(savings: List[int]) -> int:
-    """The step (after the first, unless there is only one) whose saving is the median of the
-    steps' savings (the lower middle for an even count)."""
-    steps = list(range(1, len(savings))) or [0]
-    order = sorted(steps, key=lambda i: (savings[i], i))
-    return order[(len(order) - 1) // 2]
 
 
 def moe_explanation(s: dict) -> dict:
@@ -488,8 +487,8 @@ def print_config(r: dict) -> None:
            if r.get("pp", 1) > 1 else f"TP={r['tp']}, EP={r['ep']}")
     print(f"  {ranks}, {par}; "
           f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
-          f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s; each saving is the "
-          f"median of steps 2-{r['steps']} (per step: same data in both modes)")
+          f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s; each saving is the one "
+          f"most of steps 2-{r['steps']} measured (per step: same data in both modes)")
     whose = "the seed's" if r["seed"] else "5.2's"  # PP runs 5.2's model
     if r["layers_run"] < r["seed_layers"]:
         print(f"  host memory: {whose} {r['seed_layers']} layers need ~"

@@ -33,7 +33,7 @@ import zrw
 import zrw.fsdp
 import zrw.testing
 from zrw import memory, ops
-from zrw.bench._timing import print_table
+from zrw.bench._timing import print_table, typical_step
 
 MIB = 2 ** 20
 DP, TP = 2, 2
@@ -156,12 +156,6 @@ def _rank(rank: int, build, s: dict, layers: int, args: dict, port: int, out: st
             json.dump(gathered, f)
 
 
-def _median_step(values: List[int]) -> int:
-    steps = list(range(1, len(values))) or [0]
-    order = sorted(steps, key=lambda i: (values[i], i))
-    return order[(len(order) - 1) // 2]
-
-
 def run(build, s: dict, tiny: bool, budget: int, layers: Optional[int], tokens: int,
         micro_batches: int, steps: int, threads: int, seed_layers: int, process_bytes: float,
         free_port) -> dict:
@@ -183,8 +177,8 @@ def run(build, s: dict, tiny: bool, budget: int, layers: Optional[int], tokens: 
         wb, wa = b["window_peaks"], a["window_peaks"]
         gb = [max(w, o) for w, o in zip(wb, b["optimizer_peaks"])]
         ga = [max(w, o) for w, o in zip(wa, a["optimizer_peaks"])]
-        sw = _median_step([x - y for x, y in zip(wb, wa)])
-        sg = _median_step([x - y for x, y in zip(gb, ga)])
+        sw = typical_step([x - y for x, y in zip(wb, wa)])
+        sg = typical_step([x - y for x, y in zip(gb, ga)])
         theory = THEORY_BYTES * per_layer * min(2, n_layers)
         rows.append({
             "rank": r["rank"], "tp_local_params_per_layer": per_layer,
