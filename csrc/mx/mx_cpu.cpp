@@ -397,9 +397,9 @@ std::atomic<int64_t> g_fp32{0}, g_bf16{0}, g_bf16_to_fp32{0};
 // mx_matmul's tile buffers persist between calls: one byte buffer, grown to the largest tiles a
 // call has needed (never past the tile bound below: 40 MiB, 24 MiB on the BF16 path) and kept,
 // so that a training step does not allocate (and, once the allocator has returned the pages,
-// fault in) its tiles for every GEMM. It comes from the CPU allocator like any tensor (zrw.memory counts it) and is freed by
-// zrw.ops.free_matmul_workspace(). One call at a time holds it; a call made while another thread
-// holds it allocates its own tiles for that call.
+// fault in) its tiles for every GEMM. It comes from the CPU allocator like any tensor
+// (zrw.memory counts it) and is freed by zrw.ops.free_matmul_workspace(). One call at a time
+// holds it; a call made while another thread holds it allocates its own tiles for that call.
 class TileWorkspace {
  public:
   static TileWorkspace& get() {
@@ -411,24 +411,31 @@ class TileWorkspace {
   class Lease {
    public:
     Lease(TileWorkspace& ws, int64_t bytes, const at::TensorOptions& opts) : ws_(ws) {
+      uint64_t generation = 0;
       {
         std::lock_guard<std::mutex> lock(ws_.mu_);
         if (!ws_.busy_) {
           ws_.busy_ = held_ = true;
-          if (ws_.buf_.defined() && ws_.buf_.numel() >= bytes) buf_ = ws_.buf_;
+          if (ws_.buf_.defined() && ws_.buf_.numel() >= bytes) {
+            buf_ = ws_.buf_;
+          } else {
+            ws_.buf_ = at::Tensor();  // free a buffer too small before allocating (below)
+          }
+          generation = ws_.generation_;
         }
       }
       if (buf_.defined()) return;
       try {
-        if (held_) release_persistent();  // free a buffer too small before allocating
         buf_ = at::empty({bytes}, opts.dtype(at::kByte));
       } catch (...) {
         done();
         throw;
       }
       if (held_) {
+        // A free() that ran while this buffer was being allocated wins: the buffer then serves
+        // this call only.
         std::lock_guard<std::mutex> lock(ws_.mu_);
-        ws_.buf_ = buf_;
+        if (ws_.generation_ == generation) ws_.buf_ = buf_;
       }
     }
     ~Lease() { done(); }
@@ -437,10 +444,6 @@ class TileWorkspace {
     const at::Tensor& tensor() const { return buf_; }
 
    private:
-    void release_persistent() {
-      std::lock_guard<std::mutex> lock(ws_.mu_);
-      ws_.buf_ = at::Tensor();
-    }
     void done() {
       if (!held_) return;
       held_ = false;
@@ -464,6 +467,7 @@ class TileWorkspace {
       std::lock_guard<std::mutex> lock(mu_);
       dropped = std::move(buf_);
       buf_ = at::Tensor();
+      ++generation_;  // a call growing the buffer now does not register it
     }
     return dropped.defined() ? dropped.numel() : 0;
   }
@@ -472,6 +476,7 @@ class TileWorkspace {
   std::mutex mu_;
   at::Tensor buf_;
   bool busy_ = false;
+  uint64_t generation_ = 0;  // counts free() calls
 };
 
 at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
