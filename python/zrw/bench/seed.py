@@ -279,6 +279,7 @@ def _train_mode_pp(mode: str, run: dict, s: dict, layers: int, args: dict) -> (M
 
     def window_end(o, a, k):  # the end of schedule.step(), before zrw's boundary
         res.window_peaks.append(memory.peak())
+        res.workspace_bytes.append(ops.matmul_workspace_bytes())
         marks["released"] = cache.cache_stats()["released_bytes"]
 
     opt.register_step_pre_hook(window_end)
