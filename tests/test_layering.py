@@ -21,7 +21,7 @@ LEVELS: Dict[str, int] = {
     "zrw.ops": 1,
     "zrw._fake": 2, "zrw._autograd": 2, "zrw.reference": 2, "zrw._released_queries": 2,
     "zrw.memory": 2, "zrw.backends": 2,
-    "zrw.config": 3, "zrw.planes": 3, "zrw._dtensor": 3,
+    "zrw.config": 3, "zrw.planes": 3, "zrw._dtensor": 3, "zrw.record": 3,
     "zrw.cache": 4,
     "zrw.weights": 5, "zrw.state_dict": 5,
     "zrw.nn.functional": 6, "zrw.optim": 6, "zrw.fsdp": 6,

@@ -73,7 +73,7 @@ class Env:
                       if k not in ("hits", "misses")},
             "files": sorted(os.listdir(self.tmp)),
             "cwd_files": sorted(os.listdir(".")),
-            "hooks": getattr(self.opt, "_zrw_boundary_hooks", None),
+            "hooks": getattr(zrw.record.find_optimizer_record(self.opt), "hooks", None),
             "names": (cache.weight_name(self.w), cache.weight_name(self.wr)),
         }
 
@@ -466,7 +466,7 @@ def test_master_weights_takes_a_factory_that_returns_an_optimizer():
 def test_detach_of_an_optimizer_without_the_boundary_is_a_no_op():
     opt = torch.optim.SGD([_param(32, 32)], lr=0.1)
     optim.detach(opt)
-    assert getattr(opt, "_zrw_boundary_hooks", None) is None
+    assert not zrw.optim.has_boundary(opt)
 
 
 def test_iter_state_dict_refuses_at_the_call_and_yields_extra_state():

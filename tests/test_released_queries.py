@@ -364,7 +364,7 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
     assert counts["restore_all"] > 0 and counts["built"] > 0, counts
     # The registry holds no entry of a weight that died.
     gc.collect()
-    assert all(k() is not None for k in list(cache._masters))
+    assert all(k() is not None for k in list(zrw.record._records.data))
 
 
 def test_register_master_replaces_and_dies_with_the_weight():
@@ -381,4 +381,4 @@ def test_register_master_replaces_and_dies_with_the_weight():
     del w
     gc.collect()
     assert alive() is None
-    assert all(k() is not None for k in list(cache._masters))  # a dead weight drops its entry
+    assert all(k() is not None for k in list(zrw.record._records.data))  # a dead weight drops its entry

@@ -18,7 +18,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / FakeTensor)
 from . import _autograd  # noqa: E402,F401  (the MX ops refuse inputs that require grad)
 from . import _released_queries  # noqa: E402,F401  (is_shared of a released weight: no abort)
-from . import config, ops, planes, reference  # noqa: E402,F401
+from . import config, ops, planes, record, reference  # noqa: E402,F401
 from . import cache  # noqa: E402,F401
 
 # The design card's entry points for custom layers (DESIGN.md §4): zrw.ops.quant_and_release,

@@ -30,19 +30,18 @@ import contextlib
 import enum
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 from . import _C
 from ._dtensor import local_tensor as _local
 from .ops import E4M3
 from .planes import MXWeight
+from .record import find_record, record_of, records
 
 # One source: the native cache's names (csrc/common/names.h).
 FILLS = tuple(_C.fill_names())
@@ -169,9 +168,10 @@ def quant_and_release(
     a compiled forward never reads a per-layer string and recompiles for each layer).
     require_owner=True (what the zrw layers pass): a trainable weight is released only when
     `is_owned(w)`, i.e. an optimizer with the zrw boundary steps it or it has an FP32 master;
-    any other is cached but keeps its BF16 storage (readable, and restorable exactly). A weight
-    the layers restored for a write (apply, a cast) is held (`_zrw_hold`) until its
-    optimizer's next write-back, so that MasterWeights reads what was written.
+    any other keeps its BF16 storage and is quantized afresh at every use (nothing starts a new
+    step for it, so a cached copy could go stale). A weight the layers restored for a write
+    (apply, a cast) is held (its record's `hold`) until its optimizer's next write-back, so
+    that MasterWeights reads what was written.
     `trainable` (None: `w.requires_grad`) says whether an optimizer steps `w`: a DTensor
     weight's local shard never requires grad itself (its DTensor does), so zrw.parallel passes
     the DTensor's flag for it.
@@ -198,24 +198,77 @@ def quant_and_release(
     if torch.compiler.is_exporting():
         shown = name or weight_name(w)  # (torch.export traces fake copies: they have no name)
         raise _export_error(op, f"the zrw weight {shown!r}" if shown else "a zrw layer's weight")
-    release = release and release_enabled()
-    if (release and require_owner and trainable and torch.is_grad_enabled()
-            and (not is_owned(w) or getattr(w, "_zrw_hold", False)
-                 or getattr(w, "_zrw_tied", None))):
-        release = False  # nothing would write it back or restore it exactly: keep its BF16
-        if not getattr(w, "_zrw_hold", False) and not getattr(w, "_zrw_tied", None):
-            _warn_unowned(name or weight_name(w))
-    elif release and require_owner and trainable and torch.is_grad_enabled():
-        _sync_before_release(w)
+    if w.is_meta:
+        shown = name or weight_name(w) or f"<unnamed weight of shape {tuple(w.shape)}>"
+        raise ValueError(
+            f"{op}: weight {shown!r} is on the meta device (no data): it can be neither "
+            "quantized nor released. Materialize the model first (e.g. "
+            "model.to_empty(device='cpu') and load or initialize its weights)")
+    rec = record_of(w)
     if name is None:
-        name = weight_name(w)
-    elif name and not weight_name(w):
-        set_weight_name(w, name)  # messages outside the cache (the optimizer guard) use it too
+        name = rec.name
+    elif name and not rec.name:
+        rec.name = name  # messages outside the cache (the optimizer guard) use it too
+    release = release and release_enabled()
+    grad = torch.is_grad_enabled()
+    if grad and trainable and (require_owner or not release):
+        release = _training_use(op, w, rec, release, name)
     # Under no_grad nothing is released and the guard never asks: the weight's own flag.
     tensors = torch.ops.zrw.quant_and_release(
         w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
-        trainable if torch.is_grad_enabled() else w.requires_grad)
+        trainable if grad else w.requires_grad)
     return MXWeight.from_tensors(recipe, tensors)
+
+
+def _training_use(op: str, w: Tensor, rec, release: bool, name: str) -> bool:
+    """The transitions of a trainable weight's use in training (docs/design.md, "The state
+    machine"), before the native lookup. Returns whether the lookup may release it.
+
+    - released for good while frozen, now trainable: restored exactly from its master, or a
+      named error (its BF16 values no longer exist) before anything changes;
+    - no owner (no optimizer with the zrw boundary, no FP32 master): nothing would start a new
+      step for it, so its FP8 copy is made afresh at every use (a write through `.data`
+      between uses is never served stale) and its BF16 storage is kept;
+    - held (restored for a write the next write-back reads) or tied: cached, not released;
+    - else, at its first use in a step: its master takes what was written since the last
+      write-back (_sync_before_release)."""
+    state = _STATES[torch.ops.zrw.cache_state(w)]
+    if state is CacheState.RELEASED_FOR_GOOD:
+        _unfreeze(op, w, rec, name)
+        state = CacheState.NONE
+    if not rec.owned():
+        if state.released:
+            restore_value(w)  # its owner is gone: exact from the master its entry keeps
+        elif state.cached:
+            torch.ops.zrw.cache_invalidate(w, "dequant")
+        if release:
+            _warn_unowned(name)
+        return False
+    if not release:
+        return False
+    if rec.hold or rec.tied:
+        return False
+    if state is CacheState.NONE:
+        _sync_before_release(w, rec)
+    return True
+
+
+def _unfreeze(op: str, w: Tensor, rec, name: str) -> None:
+    """A weight released for good while frozen (release_frozen) is trainable again: its value
+    comes back exactly from its FP32 master, or the use is refused by name."""
+    master = rec.master()
+    if master is None:
+        master = torch.ops.zrw.cache_master(w)
+    if master is None:
+        shown = name or f"<unnamed weight of shape {tuple(w.shape)}>"
+        raise RuntimeError(
+            f"{op}: weight {shown!r} was released for good while frozen (release_frozen=True): "
+            "only its MXFP8 copy exists, and it has no FP32 master to train from, but it "
+            "requires grad again. Nothing was changed. Either unfreeze it only after "
+            "zrw.cache.restore_frozen(model) (its dequantized FP8 values become its BF16 "
+            "weights: lossy), or build the optimizer over it before it is released "
+            "(zrw.optim.AdamW / MasterWeights keep its exact FP32 master)")
+    torch.ops.zrw.restore(w, "master", master)
 
 
 _unowned_warned = False
@@ -240,26 +293,41 @@ def _warn_unowned(name: str) -> None:
         UserWarning, stacklevel=3)
 
 
-def _sync_before_release(w: Tensor) -> None:
+def _sync_before_release(w: Tensor, rec) -> None:
     """A weight with an FP32 master that is about to be released (its first use in a step,
     with no entry yet) and was written since its optimizer's last write-back (a
     load_state_dict, an apply, a write through `.data` between steps): its master takes the
-    written value now, since nothing can read the weight once it is released (MasterWeights
-    reads the unreleased ones at its step)."""
-    written = getattr(w, "_zrw_written", None)
-    # Every later use in the step is a cache hit: the entry's state, one native lookup, is
-    # checked before the master (a Python registry and, for a released weight, a native call).
-    if written is None or _STATES[torch.ops.zrw.cache_state(w)] is not CacheState.NONE:
+    written value now (take_into_master), since nothing can read the weight once it is
+    released (MasterWeights reads the unreleased ones at its step)."""
+    if rec.written is None:
         return
-    master = master_of(w)
-    if master is None:
+    master = rec.master()
+    if master is None or master.shape != w.shape:
+        return  # (MasterWeights' step names a change of shape)
+    if weight_signature(w) == rec.written and holds_master(w, master):
         return
-    if weight_signature(w) == written and holds_master(w, master):
-        return
-    if master.shape != w.shape:
-        return  # MasterWeights' step names the change of shape
+    take_into_master(master, w)
+
+
+def take_into_master(master: Tensor, value: Tensor) -> bool:
+    """The rule of truth for a weight with an FP32 master: the master is the value, and a
+    write to the weight (`value`, in the weight's dtype) reaches the master only if its bits
+    differ from `master.to(value.dtype)`. Loading the values a write-back wrote (a checkpoint
+    taken from this run, a state dict read back, the optimizer's state loaded before the
+    model's) leaves the master's FP32 bits alone; a tensor written with other values replaces
+    the master (the values the next step starts from are the written ones, as for a fresh
+    optimizer built over them). Returns whether the master changed."""
+    master, value = _local(master), _local(value)
+    if master.shape != value.shape:
+        raise ValueError(f"zrw.cache.take_into_master: value must have the master's shape "
+                         f"{tuple(master.shape)}, got {tuple(value.shape)}")
     with torch.no_grad():
-        master.copy_(w.detach())
+        if value.dtype == master.dtype or not holds_master(value, master):
+            if value.dtype == master.dtype and torch.equal(master, value):
+                return False
+            master.copy_(value.detach())
+            return True
+    return False
 
 
 def set_weight_name(w: Tensor, name: str) -> None:
@@ -268,12 +336,13 @@ def set_weight_name(w: Tensor, name: str) -> None:
     if not isinstance(name, str):
         raise TypeError(f"zrw.cache.set_weight_name: name must be a str, got "
                         f"{type(name).__name__}")
-    w._zrw_name = name
+    record_of(w).name = name
 
 
 def weight_name(w: Tensor) -> str:
     """The name set with `set_weight_name`, or ""."""
-    return getattr(_check_tensor("zrw.cache.weight_name", "w", w), "_zrw_name", "") or ""
+    rec = find_record(_check_tensor("zrw.cache.weight_name", "w", w))
+    return "" if rec is None else rec.name
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -303,33 +372,28 @@ def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
 
 
 
-# Trainable weights whose optimizer has the zrw boundary (zrw.optim.attach): weight -> a weak
-# reference to that optimizer. With the masters registered by MasterWeights, this is what
-# `is_owned` reads: the zrw layers release a trainable weight only when something will write
-# it back exactly or restore it at a boundary, never one that no optimizer owns (it would stay
-# released for good, readable only as its lossy FP8 dequantization).
-_owners = WeakIdKeyDictionary()
-_owners_lock = threading.Lock()
+# Owners and masters live in each weight's record (zrw.record): the optimizers with the zrw
+# boundary that step it, and one FP32 master per optimizer that keeps masters. `is_owned` reads
+# them: the zrw layers release a trainable weight only when something will write it back
+# exactly or restore it at a boundary, never one that no optimizer owns (it would stay released
+# for good, readable only as its lossy FP8 dequantization).
 
 
 def register_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Record that `optimizer` (with the zrw boundary) steps these weights (zrw.optim.attach
     calls it)."""
     ws = _tensor_list("zrw.cache.register_owner", "weights", weights)
-    ref = weakref.ref(optimizer)
-    with _owners_lock:
-        for w in ws:
-            _owners[w] = ref
+    for w in ws:
+        record_of(w).owners.add(optimizer)
 
 
 def unregister_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Forget `optimizer` as the owner of these weights (zrw.optim.detach)."""
     ws = _tensor_list("zrw.cache.unregister_owner", "weights", weights)
-    with _owners_lock:
-        for w in ws:
-            ref = _owners.get(w)
-            if ref is not None and ref() is optimizer:
-                del _owners[w]
+    for w in ws:
+        rec = find_record(w)
+        if rec is not None:
+            rec.owners.discard(optimizer)
 
 
 def is_owned(w: Tensor) -> bool:
@@ -337,60 +401,31 @@ def is_owned(w: Tensor) -> bool:
     (MasterWeights, register_master): then a release of `w` ends at that optimizer's boundary
     or is undone exactly from the master."""
     w = _check_tensor("zrw.cache.is_owned", "w", w)
-    with _owners_lock:
-        ref = _owners.get(w)
-    opt = None if ref is None else ref()
-    if opt is not None and getattr(opt, "_zrw_boundary_hooks", None) is not None:
-        return True
-    return master_of(w) is not None
-
-
-# Masters registered by zrw.optim.MasterWeights: weight -> a weak reference to its FP32 master,
-# keyed weakly by identity (WeakIdRef: a weak key compared by == would compare tensors
-# elementwise). Weak both ways: the optimizer owns its masters; a deleted optimizer takes them
-# with it, and a weight that dies drops its entry (_drop_master, from the garbage collector).
-#
-# Threads: optimizers are built and torn down on any thread while others restore (issue 19:
-# restore_all iterated the registry while a MasterWeights inserted into it, "dictionary changed
-# size during iteration"). Every insert and lookup holds _masters_lock, and nothing ever
-# iterates the dict: readers take a snapshot (_registered_masters: one list() of the items,
-# atomic under the GIL, so that also a removal from the collector cannot interleave). The
-# collector's removal takes no lock (a single dict.pop, atomic under the GIL): it may run in
-# any thread, also inside a locked section, and must never wait for the lock.
-_masters: Dict[WeakIdRef, "weakref.ref[Tensor]"] = {}
-_masters_lock = threading.RLock()
-
-
-def _drop_master(key: WeakIdRef) -> None:
-    _masters.pop(key, None)
+    rec = find_record(w)
+    return rec is not None and rec.owned()
 
 
 def _registered_masters() -> List[tuple]:
-    """A snapshot of the registry: (weight, master) for each weight whose registered master is
-    alive, with strong references, so that an optimizer torn down meanwhile cannot take a
-    master away from a restore that already chose it."""
-    with _masters_lock:
-        items = list(_masters.items())
+    """(weight, master) for each weight with a live master, with strong references, so that an
+    optimizer torn down meanwhile cannot take a master away from a restore that chose it."""
     pairs = []
-    for key, ref in items:
-        w, m = key(), ref()
-        if w is not None and m is not None:
+    for w, rec in records():
+        m = rec.master()
+        if m is not None:
             pairs.append((w, m))
     return pairs
 
 
-def register_master(weight: Tensor, master: Tensor) -> None:
-    """Record the FP32 master of `weight` so that fill="master" can restore it exactly."""
+def register_master(weight: Tensor, master: Tensor, optimizer=None) -> None:
+    """Record the FP32 master of `weight` so that fill="master" can restore it exactly.
+    `optimizer`: the optimizer that keeps it (one master per optimizer; None for a master
+    registered by hand, which replaces the previous such one)."""
     weight = _check_tensor("zrw.cache.register_master", "weight", weight)
     master = _check_tensor("zrw.cache.register_master", "master", master)
     if master.shape != weight.shape:
         raise ValueError(f"zrw.cache.register_master: master must have the weight's shape "
                          f"{tuple(weight.shape)}, got {tuple(master.shape)}")
-    ref = weakref.ref(master)
-    with _masters_lock:
-        # A weight registered again keeps its key (and its removal callback); only the master
-        # changes.
-        _masters[WeakIdRef(weight, _drop_master)] = ref
+    record_of(weight).set_master(optimizer, master)
 
 
 def master_of(weight: Tensor) -> Optional[Tensor]:
@@ -398,9 +433,8 @@ def master_of(weight: Tensor) -> Optional[Tensor]:
     entry holds while it is released after a keep_released write-back, or None. (For a DTensor
     weight: its local shard's master.)"""
     weight = _check_tensor("zrw.cache.master_of", "weight", weight)
-    with _masters_lock:
-        ref = _masters.get(WeakIdRef(weight))
-    master = None if ref is None else ref()
+    rec = find_record(weight)
+    master = None if rec is None else rec.master()
     return cache_master(weight) if master is None else master
 
 

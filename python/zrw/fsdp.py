@@ -57,7 +57,7 @@ _lock = threading.Lock()
 def clear_shard_cache() -> None:
     """Drop every cached shard quantization (run at every zrw optimizer boundary)."""
     for w in list(_live):
-        w._zrw_planes = None
+        w._mx_planes = None
 
 
 _boundary_handle = cache.register_boundary_callback(lambda opt: clear_shard_cache())
@@ -96,19 +96,19 @@ class PreQuantWeight(torch.Tensor):
     def __init__(self, tensor: Tensor, recipe: QuantRecipe, name: str,
                  both_planes: bool = False):
         self._tensor = tensor
-        self._zrw_recipe = recipe
-        self._zrw_name = name
-        self._zrw_both_planes = both_planes
-        self._zrw_planes: Optional[Tuple[int, str, planes.MXWeight]] = None
-        self._zrw_warned = False
+        self._mx_recipe = recipe
+        self._mx_name = name
+        self._mx_both_planes = both_planes
+        self._mx_planes: Optional[Tuple[int, str, planes.MXWeight]] = None
+        self._mx_warned = False
         _live.add(self)
 
     def __repr__(self) -> str:
-        return (f"PreQuantWeight({self._zrw_name!r}, recipe={self._zrw_recipe.name}, "
+        return (f"PreQuantWeight({self._mx_name!r}, recipe={self._mx_recipe.name}, "
                 f"shard={tuple(self._tensor.shape)}, {self._tensor.dtype})")
 
     def __tensor_flatten__(self):
-        return ["_tensor"], (self._zrw_recipe, self._zrw_name, self._zrw_both_planes)
+        return ["_tensor"], (self._mx_recipe, self._mx_name, self._mx_both_planes)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -141,7 +141,7 @@ class PreQuantWeight(torch.Tensor):
 
         def wrap(t):
             if isinstance(t, Tensor) and not isinstance(t, cls) and t.is_floating_point():
-                return cls(t, src._zrw_recipe, src._zrw_name, src._zrw_both_planes)
+                return cls(t, src._mx_recipe, src._mx_name, src._mx_both_planes)
             return t
 
         if func is aten.copy_.default:
@@ -155,10 +155,10 @@ class PreQuantWeight(torch.Tensor):
         "mxfp8-32x32" the compact block scale (block_scale) travels, the expanded scales are
         None."""
         step = cache.cache_stats()["step"]
-        cached = self._zrw_planes
+        cached = self._mx_planes
         if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
             return cached[2]
-        rcp = self._zrw_recipe
+        rcp = self._mx_recipe
         shard = self._tensor.detach().to(param_dtype)
         if rcp.block_32x32:
             data, block = ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode)
@@ -169,7 +169,7 @@ class PreQuantWeight(torch.Tensor):
                 rcp.cache_layout, list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode)))
         with _lock:
             _stats["shard_quantizations"] += 1
-        self._zrw_planes = (step, str(param_dtype), q)
+        self._mx_planes = (step, str(param_dtype), q)
         return q
 
     def _whole_blocks(self, outer_size: torch.Size, world: int) -> bool:
@@ -184,17 +184,17 @@ class PreQuantWeight(torch.Tensor):
         param_dtype = mp_policy.param_dtype or self.dtype
         world = mesh.size()
         if not self._whole_blocks(outer_size, world):
-            if not self._zrw_warned:
+            if not self._mx_warned:
                 names = getattr(mesh, "mesh_dim_names", None)
                 over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else \
                     f"{world} ranks"
                 warnings.warn(
-                    f"zrw.fsdp: weight '{self._zrw_name}' of shape {tuple(outer_size)} does not "
+                    f"zrw.fsdp: weight '{self._mx_name}' of shape {tuple(outer_size)} does not "
                     f"shard into whole 32-row blocks over {over}: it is all-gathered in "
                     f"{param_dtype} and quantized after the gather (correct, but not "
                     "zero-redundancy for this weight; the fix: a data-parallel degree that "
                     "splits its rows into multiples of 32)", stacklevel=2)
-                self._zrw_warned = True
+                self._mx_warned = True
             shard = self._tensor.detach().to(param_dtype)
             padded_rows = -(-outer_size[0] // world)
             if shard.shape[0] < padded_rows:  # FSDP pads the last ranks' shards
@@ -206,13 +206,13 @@ class PreQuantWeight(torch.Tensor):
             # A group of one rank (e.g. the experts' FSDP dimension when EP spans the DP
             # ranks): FSDP2 2.13 then copies only the first all-gather input, so every plane
             # travels packed in one uint8 buffer (which FSDP2 frees at reshard like a gather's).
-            pieces = [q.fwd.data, q.block_scale] if self._zrw_recipe.block_32x32 else \
+            pieces = [q.fwd.data, q.block_scale] if self._mx_recipe.block_32x32 else \
                 [*q.fwd, *q.bwd]
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in pieces])
             return (flat,), ("packed", tuple(outer_size), [tuple(t.shape) for t in pieces])
-        if self._zrw_recipe.block_32x32:
+        if self._mx_recipe.block_32x32:
             inputs, phase = (q.fwd.data, q.block_scale), "block"
-        elif self._zrw_both_planes:
+        elif self._mx_both_planes:
             inputs, phase = (*q.fwd, *q.bwd), "both"
         else:
             # The backward re-gather runs inside the autograd engine: dgrad needs the N plane.
@@ -234,7 +234,7 @@ class PreQuantWeight(torch.Tensor):
         phase, outer_size = metadata[0], metadata[1]
         if out is not None and is_dtensor(out):
             out = out._local_tensor  # FSDP2 x TP: the unsharded parameter is a TP DTensor
-        rcp = self._zrw_recipe
+        rcp = self._mx_recipe
         elem = rcp.elem_dtype
         e8 = torch.float8_e8m0fnu
         inner: List[Tensor] = []
@@ -289,7 +289,7 @@ class PreQuantWeight(torch.Tensor):
                     buf = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
                     inner = [buf]
             else:
-                buf = out._zrw_state.get("scale_buf")
+                buf = out._mx_state.get("scale_buf")
             if per_rank.shape[1] != n:
                 compact = buf[: world * n].view(world, n)
                 compact.copy_(per_rank[:, :n])
@@ -299,7 +299,7 @@ class PreQuantWeight(torch.Tensor):
             fwd, bwd = (gathered, missing) if phase == "fwd" else (missing, gathered)
             w = planes.MXWeight(rcp.cache_layout, fwd, bwd)
         if out is not None:
-            prev = out._zrw_state["planes"]
+            prev = out._mx_state["planes"]
             if prev is not None and (phase in ("fallback", "block") or (
                     phase == "packed" and rcp.block_32x32)):
                 # fallback: the planes quantized after a BF16 gather are the inner tensors FSDP2
@@ -309,11 +309,11 @@ class PreQuantWeight(torch.Tensor):
                 w = _refill(prev, w, data=phase == "fallback")
             out._set_planes(w, phase)
             return None
-        g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._zrw_recipe,
-                             self._zrw_name)
+        g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._mx_recipe,
+                             self._mx_name)
         g._set_planes(w, phase)
         if phase in ("fwd", "bwd"):
-            g._zrw_state["scale_buf"] = inner[0] if inner else None
+            g._mx_state["scale_buf"] = inner[0] if inner else None
         return g, tuple(inner)
 
 
@@ -349,7 +349,7 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     It has the parameter's shape and dtype for autograd's sake; zrw's layers read its planes
     (`mx_weight()`, the MXPlanesCarrier interface), and any other operation on it raises an
-    error naming the weight. `_zrw_recipe` is the QuantRecipe the planes were quantized with.
+    error naming the weight. `_mx_recipe` is the QuantRecipe the planes were quantized with.
     """
 
     @staticmethod
@@ -358,35 +358,35 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
                                                    requires_grad=requires_grad)
 
     def __init__(self, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
-        self._zrw_recipe = recipe
-        self._zrw_name = name
+        self._mx_recipe = recipe
+        self._mx_name = name
         # Shared by every alias (FSDP2 wraps the object in an nn.Parameter, a detached alias, and
         # later gathers update it through `out=`): one mutable state, updated in place.
         # "planes": the gathered MXWeight (None before the first gather; a plane not gathered is
         # MXPlane(None, None)), "phase": what the last gather sent, "scale_buf": the compacted
         # scale's buffer of a one-plane gather.
-        self._zrw_state: Dict[str, object] = {"planes": None, "phase": None}
+        self._mx_state: Dict[str, object] = {"planes": None, "phase": None}
 
     def _set_planes(self, weight: planes.MXWeight, phase: str) -> None:
-        self._zrw_state["planes"] = weight
-        self._zrw_state["phase"] = phase
+        self._mx_state["planes"] = weight
+        self._mx_state["phase"] = phase
 
     def __repr__(self) -> str:
-        return (f"MXGatheredWeight({self._zrw_name!r}, {tuple(self.shape)}, "
-                f"recipe={self._zrw_recipe.name}, gathered={self._zrw_state['phase']})")
+        return (f"MXGatheredWeight({self._mx_name!r}, {tuple(self.shape)}, "
+                f"recipe={self._mx_recipe.name}, gathered={self._mx_state['phase']})")
 
     @property
     def zrw_name(self) -> str:
-        return self._zrw_name
+        return self._mx_name
 
     def mx_weight(self, need: str) -> planes.MXWeight:
         """The planes as an MXWeight; `need` is "fwd" or "bwd", the plane the caller reads."""
-        w = self._zrw_state["planes"]
+        w = self._mx_state["planes"]
         plane = None if w is None else {"fwd": w.fwd, "bwd": w.bwd}.get(need)
         if plane is None or plane.data is None:
             raise RuntimeError(
-                f"zrw.fsdp: weight '{self._zrw_name}' was all-gathered with only its "
-                f"{self._zrw_state['phase']} plane, but the {need} plane is needed now: activation "
+                f"zrw.fsdp: weight '{self._mx_name}' was all-gathered with only its "
+                f"{self._mx_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
                 "zrw.fsdp.prepare(model, both_planes=True)")
         return w
@@ -401,11 +401,11 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
                     aten.as_strided.default, aten._unsafe_view.default):
             shape = func(torch.empty(src.shape, device="meta"), *args[1:], **kwargs).shape
             if shape == src.shape:
-                g = cls(src.shape, src.dtype, src.device, src._zrw_recipe, src._zrw_name)
-                g._zrw_state = src._zrw_state
+                g = cls(src.shape, src.dtype, src.device, src._mx_recipe, src._mx_name)
+                g._mx_state = src._mx_state
                 return g
         raise RuntimeError(
-            f"zrw.fsdp: {func} on the gathered weight '{src._zrw_name}': under zrw's FSDP2 "
+            f"zrw.fsdp: {func} on the gathered weight '{src._mx_name}': under zrw's FSDP2 "
             "all-gather the unsharded weight exists only as its MXFP8 planes (no BF16 copy is "
             "ever materialized); only zrw layers can use it")
 

@@ -21,15 +21,24 @@ zrw boundary raises before it touches its state.
 """
 from __future__ import annotations
 
+import copy
+import multiprocessing.context
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import cache
-from ._dtensor import local_tensor
-
-_HOOKS_ATTR = "_zrw_boundary_hooks"
+from ._dtensor import local_tensor, wrap_like
+from .record import (
+    find_optimizer_record,
+    find_record,
+    forget_optimizer,
+    optimizer_record,
+    record_of,
+)
+from .state_dict import keep_for_spawn, released_value
 
 # The boundary's callbacks live in zrw.cache (zrw.fsdp registers there without importing this
 # module); this is the public name.
@@ -169,7 +178,6 @@ class MasterWeights(torch.optim.Optimizer):
         self._keep_grads = False  # zero_grad(set_to_none=False) seen: keep the BF16 grads
         self._freed: List[Any] = []  # (param, master) whose grad this step freed
         self._freed_last: List[Any] = []  # ... and the last successful one
-        self._written: List[Any] = []
         inner_groups = []
         for g in groups:
             masters = self._make_masters(g["params"])
@@ -190,6 +198,9 @@ class MasterWeights(torch.optim.Optimizer):
 
     @staticmethod
     def _make_masters(params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """An FP32 copy of each parameter's value. A released parameter's value is its current
+        master's (another optimizer with masters owns it too): copied from there, exactly;
+        one released for good without a master has no exact value left, and is refused."""
         masters = []
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
@@ -198,13 +209,27 @@ class MasterWeights(torch.optim.Optimizer):
             if not p.is_floating_point():
                 raise TypeError(f"MasterWeights: parameters must be floating point, got "
                                 f"{p.dtype} (params[{i}], shape {tuple(p.shape)})")
+            local = local_tensor(p)
+            if cache.cache_state(local).released:
+                m = cache.master_of(local)
+                if m is None:
+                    raise RuntimeError(
+                        f"MasterWeights: params[{i}] ('{cache.weight_name(local)}', shape "
+                        f"{tuple(p.shape)}) is released and has no FP32 master (a frozen weight "
+                        "released for good keeps only its MXFP8 copy): its exact value is gone. "
+                        "Build the optimizer before the weight's first training forward, or "
+                        "call zrw.cache.restore_frozen(model) first (lossy)")
+                with torch.no_grad():  # the weight holds m.to(p.dtype): that, in FP32
+                    value = m.detach().to(p.dtype).to(torch.float32)
+                masters.append(wrap_like(p, value))
+                continue
             masters.append(p.detach().to(torch.float32, copy=True))
         return masters
 
     def _register_masters(self, start: int = 0) -> None:
         for group, masters in zip(self.param_groups[start:], self.masters[start:]):
             for p, m in zip(group["params"], masters):
-                cache.register_master(local_tensor(p), local_tensor(m))
+                cache.register_master(local_tensor(p), local_tensor(m), self)
 
     def _pull_hyperparameters(self) -> None:
         """inner -> outer: the hyper-parameters the inner optimizer filled in."""
@@ -244,15 +269,14 @@ class MasterWeights(torch.optim.Optimizer):
     #
     # Between two write-backs a parameter may be written by anything: model.load_state_dict
     # (strict or not), model.apply(init_fn), an in-place write under no_grad or through
-    # `.data`, a dtype cast (`p.data = p.float()`). Its master must then take the new value,
-    # as the optimizer of a release-off run or of plain PyTorch would step it. After each
-    # write-back every parameter is exactly master.to(p.dtype); before each step (and before
-    # the masters are saved) a parameter whose version counter, dtype, device, shape or bits
-    # differ from that is copied into its master (the bits catch writes through `.data`, which
-    # bump no version; the storage's address is not compared: a cast there and back may reuse
-    # it, and must not decide the result). A released weight cannot be written (its storage is
-    # poisoned): the layers update its master when they load into it or restore it, and
-    # zrw.cache syncs a written weight before its first use releases it.
+    # `.data`, a dtype cast (`p.data = p.float()`), or another optimizer that steps it too.
+    # Its master must then take the new value, as the optimizer of a release-off run or of
+    # plain PyTorch would step it, by the rule of truth (zrw.cache.take_into_master): an
+    # element reaches the master only where its bits differ from master.to(p.dtype), so that
+    # loading the values a write-back wrote never rounds a master. A released weight cannot be
+    # written (its storage is poisoned): its value is its current master's (its record's
+    # `current`, the one written back last), the layers update that master when they load into
+    # it or restore it, and zrw.cache syncs a written weight before its first use releases it.
 
     def _pairs(self):
         for group, masters in zip(self.param_groups, self.masters):
@@ -260,82 +284,108 @@ class MasterWeights(torch.optim.Optimizer):
                 yield p, m
 
     def _record_written(self) -> None:
-        """After a write-back: what each parameter looks like when it is bf16 of its master."""
-        self._written = []
-        for p, _ in self._pairs():
+        """After a write-back: each parameter holds bf16 of this optimizer's master, and its
+        record says so (what it looks like then, and which master is its value)."""
+        for p, m in self._pairs():
             local = local_tensor(p)
-            sig = cache.weight_signature(local)
-            self._written.append(sig)
-            local._zrw_written = sig  # read where the layers release it (zrw.cache)
+            rec = record_of(local)
+            rec.written = cache.weight_signature(local)
+            rec.current = weakref.ref(local_tensor(m))
+            rec.hold = False  # its write was read: it may be released again
 
     def _sync_masters(self) -> int:
-        """Copy into its master every parameter written since the last write-back. Returns the
-        number of masters updated."""
+        """Each master takes what its parameter holds now, by the rule of truth. Returns the
+        number of masters changed."""
         pairs = [(local_tensor(p), local_tensor(m)) for p, m in self._pairs()]
         if not pairs:
             return 0
         states = cache.cache_states([p for p, _ in pairs])
-        written = getattr(self, "_written", None) or [None] * len(pairs)
         n = 0
         with torch.no_grad():
-            for (p, m), st, before in zip(pairs, states, written):
+            for (p, m), st in zip(pairs, states):
+                rec = find_record(p)
                 if st.released:
-                    continue  # released: unwritable (the layers update its master on a load,
-                    # an apply or a cast, when they restore it)
-                sig = cache.weight_signature(p)
-                if sig == before and cache.holds_master(p, m):
+                    current = None if rec is None else rec.master()
+                    if current is not None and current is not m:
+                        # Another optimizer wrote it back last: its value is that master's.
+                        n += cache.take_into_master(m, current.to(p.dtype))
                     continue
                 if p.shape != m.shape:
                     raise RuntimeError(
                         f"MasterWeights: parameter '{cache.weight_name(p) or tuple(m.shape)}' "
                         f"changed shape from {tuple(m.shape)} to {tuple(p.shape)} after the "
                         "optimizer was built; build a new optimizer for the new parameters")
-                m.copy_(p.detach())
-                n += 1
+                n += cache.take_into_master(m, p)
         return n
 
     def _grads_to_masters(self) -> None:
         """FP32 gradients of the masters. Each BF16 gradient is freed once converted (so the
         BF16 gradients and their FP32 copies never coexist in full), unless the gradients are
-        kept between steps (zero_grad(set_to_none=False), as torch keeps them); a failed step
-        gives them back (_return_grads). A `main_grad` (FP32, accumulated by the layers) is
-        read as it is, and cleared once the step succeeded."""
+        kept between steps (zero_grad(set_to_none=False), as torch keeps them) or clipped
+        (max_grad_norm: a step that fails after clipping gives back the unclipped gradients,
+        so they stay until the step succeeded); a failed step gives them back
+        (_return_grads). A `main_grad` (FP32, accumulated by the layers) is read as it is, and
+        cleared once the step succeeded."""
         self._freed = []
+        self._aliased = []  # masters whose .grad is the user's own tensor (main_grad, fp32 grad)
+        keep = self._keep_grads or self.max_grad_norm is not None
         for p, m in self._pairs():
             g = getattr(p, "main_grad", None)
-            if g is not None:
-                m.grad = g.to(torch.float32)
-                continue
-            g = p.grad
             if g is None:
-                m.grad = None
-                continue
-            m.grad = g.to(torch.float32)
-            if not self._keep_grads:
-                p.grad = None
-                self._freed.append((p, m))
+                g = p.grad
+                if g is None:
+                    m.grad = None
+                    continue
+                m.grad = g.to(torch.float32)
+                if not keep:
+                    p.grad = None
+                    self._freed.append((p, m))
+            else:
+                m.grad = g.to(torch.float32)
+            if m.grad is g:
+                self._aliased.append(m)
             del g
 
     def _clip(self) -> None:
         """max_grad_norm: clip the FP32 gradients of the masters together (the norm over every
-        parameter's gradient, main_grad or .grad), as torch.nn.utils.clip_grad_norm_ does; the
-        way to clip with main_grad=True, which gradient clipping on the model's `.grad` cannot
-        see (Megatron clips in its optimizer too). The norm before clipping is
-        `last_grad_norm`."""
-        grads = [m for ms in self.masters for m in ms if m.grad is not None]
-        if self.max_grad_norm is None or not grads:
+        parameter's gradient, main_grad or .grad), with the numbers of
+        torch.nn.utils.clip_grad_norm_; the way to clip with main_grad=True, which gradient
+        clipping on the model's `.grad` cannot see (Megatron clips in its optimizer too). A
+        gradient that is the user's own tensor (main_grad, an fp32 `.grad`) is not scaled in
+        place: the master gets a scaled copy, so that a failed step leaves it as it was. The
+        norm before clipping is `last_grad_norm`."""
+        masters = [m for ms in self.masters for m in ms if m.grad is not None]
+        if self.max_grad_norm is None or not masters:
             return
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        norm = torch.nn.utils.get_total_norm([m.grad for m in masters], 2.0)
+        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        aliased = {id(m) for m in self._aliased}
+        for m in masters:
+            c = coef.to(m.grad.device)
+            if id(m) in aliased:
+                m.grad = m.grad * c
+            else:
+                m.grad.mul_(c)
         self.last_grad_norm = float(norm)
 
     def _return_grads(self) -> None:
         """After a failed step: the parameters get back the gradients converted for it (exact:
-        fp32 holds every bf16/fp16 value), so that a retried step() steps what this one would
-        have."""
+        fp32 holds every bf16/fp16 value; clipped gradients were never freed), so that a
+        retried step() steps what this one would have."""
         for p, m in getattr(self, "_freed", ()):
             if p.grad is None and m.grad is not None:
                 p.grad = m.grad.to(p.dtype)
         self._freed = []
+
+    def _release_kept_grads(self) -> None:
+        """After a successful clipped step: the BF16 gradients kept for a retry go, as an
+        unclipped step frees them."""
+        if self.max_grad_norm is None or self._keep_grads:
+            return
+        for p, m in self._pairs():
+            if getattr(p, "main_grad", None) is None and p.grad is not None:
+                p.grad = None
+                self._freed.append((p, m))
 
     def _drop_stale_copies(self) -> None:
         """Before the inner step the FP8 copies are dead weight (the step changes every
@@ -370,9 +420,6 @@ class MasterWeights(torch.optim.Optimizer):
                                  keep_released=self.keep_released)
         finally:
             self._record_written()
-            for p in [local_tensor(p) for p in params]:
-                if getattr(p, "_zrw_hold", False):
-                    p._zrw_hold = False  # its write was read: it may be released again
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -407,6 +454,7 @@ class MasterWeights(torch.optim.Optimizer):
                 # The gradients go back to the parameters, so that step() can be retried.
                 self._return_grads()
             else:
+                self._release_kept_grads()
                 self._freed_last, self._freed = self._freed, []
                 for p, _ in self._pairs():
                     if getattr(p, "main_grad", None) is not None:
@@ -444,17 +492,87 @@ class MasterWeights(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
+        """The masters and the inner optimizer's state. The hooks registered with
+        `register_state_dict_pre_hook` / `register_state_dict_post_hook` run as torch's
+        optimizers run them (a post hook may return a replacement dict)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._push_hyperparameters()
         self._sync_masters()  # a model loaded since the last step: its values are the masters
-        return {
+        state_dict = {
             "inner": self.inner.state_dict(),
             "masters": [[m.clone() for m in ms] for ms in self.masters],
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    # -- copies: pickling and copy.deepcopy ----------------------------------------------------
+    #
+    # torch's optimizers pickle only defaults, state and param groups; a MasterWeights is also
+    # its inner optimizer and its masters, and its boundary (zrw.optim.attach) is part of what
+    # it is: a copy has all of them, its masters registered for its own parameters, and the
+    # boundary installed afresh. A released parameter has no bytes to copy: the copy gets a
+    # fresh Parameter holding its exact value (bf16 of its master), the same one the model's
+    # layers give it when both are deep-copied together.
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        rec = find_optimizer_record(self)
+        state["_boundary"] = None if rec is None or rec.hooks is None else (rec.fill,)
+        popen = multiprocessing.context.get_spawning_popen()
+        groups = []
+        for g in self.param_groups:
+            params = []
+            for p in g["params"]:
+                fresh = released_value(p)
+                if fresh is not None and popen is not None:
+                    keep_for_spawn(popen, fresh)
+                params.append(p if fresh is None else fresh)
+            groups.append({**g, "params": params})
+        state["param_groups"] = groups
+        return state
+
+    def __deepcopy__(self, memo):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in memo:
+                    fresh = released_value(p)
+                    if fresh is not None:
+                        memo[id(p)] = fresh
+                        memo.setdefault(id(memo), []).append(p)
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        rec = find_optimizer_record(self)
+        state["_boundary"] = None if rec is None or rec.hooks is None else (rec.fill,)
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        boundary = state.pop("_boundary", None)
+        super().__setstate__(state)
+        if "inner" not in state:
+            return  # (a torch-style state without the masters: nothing of zrw's to set up)
+        self._register_masters()
+        self._record_written()
+        if boundary is not None:
+            attach(self, boundary[0])
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads masters, inner state and hyper-parameters together: everything is checked
         before anything changes, so a load that fails leaves the optimizer as it was."""
         op = "MasterWeights.load_state_dict"
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch's optimizers take it
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         if not isinstance(state_dict, dict) or not {"inner", "masters"} <= set(state_dict):
             raise ValueError(f"{op}: expected a dict with 'inner' and 'masters' (from "
                              f"MasterWeights.state_dict), got "
@@ -487,6 +605,8 @@ class MasterWeights(torch.optim.Optimizer):
         # The parameters are bf16 of their masters again (released ones take the new masters'
         # values at their next use; their old FP8 copies go).
         self._write_back()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 class AdamW(MasterWeights):
@@ -580,7 +700,7 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
             "weights. Wrap it in zrw.optim.MasterWeights(optimizer_cls, params, ...) (FP32 "
             "masters; exact), or pass fill='dequant' (the weights become their FP8 copies "
             "each step: lossy)")
-    if getattr(optimizer, _HOOKS_ATTR, None) is not None:
+    if has_boundary(optimizer):
         raise RuntimeError("zrw.optim.attach: this optimizer already has the zrw boundary")
 
     def pre_hook(opt, args, kwargs):
@@ -595,9 +715,16 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
 
     handles = (optimizer.register_step_pre_hook(pre_hook),
                optimizer.register_step_post_hook(post_hook))
-    setattr(optimizer, _HOOKS_ATTR, handles)
+    rec = optimizer_record(optimizer)
+    rec.hooks, rec.masters, rec.fill = handles, masters, fill
     cache.register_owner(_locals(_params_of(optimizer)), optimizer)
     return optimizer
+
+
+def has_boundary(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether zrw.optim.attach installed the boundary on `optimizer`."""
+    rec = find_optimizer_record(optimizer)
+    return rec is not None and rec.hooks is not None
 
 
 def detach(optimizer: torch.optim.Optimizer) -> None:
@@ -608,9 +735,10 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zrw.optim.detach: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    handles = getattr(optimizer, _HOOKS_ATTR, None)
-    if handles is None:
+    rec = find_optimizer_record(optimizer)
+    if rec is None or rec.hooks is None:
         return
+    handles = rec.hooks
     params = _locals(_params_of(optimizer))
     mastered = [p for p, st in zip(params, cache.cache_states(params))
                 if st is cache.CacheState.RELEASED and cache.master_of(p) is not None]
@@ -618,7 +746,7 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
         cache.restore_weights(mastered, "master")
     for h in handles:
         h.remove()
-    setattr(optimizer, _HOOKS_ATTR, None)
+    forget_optimizer(optimizer)
     cache.unregister_owner(params, optimizer)
 
 
@@ -640,7 +768,7 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
             "zrw.optim.MasterWeights and zrw.optim.AdamW (with Hugging Face's Trainer: "
             "optimizer_cls_and_kwargs=(zrw.optim.AdamW, {...})); other optimizers read .grad: "
             "convert without main_grad for them")
-    if getattr(optimizer, _HOOKS_ATTR, None) is not None:
+    if has_boundary(optimizer):
         return
     params = [p for p in _params_of(optimizer) if p.grad is not None]
     if not params:

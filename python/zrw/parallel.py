@@ -56,6 +56,7 @@ from ._dtensor import local_tensor as _local_tensor
 from ._dtensor import shard_info as _shard_info  # noqa: F401
 from .nn.functional import dtensor_linear  # noqa: F401
 from .planes import is_zrw_layer
+from .record import module_record, record_of
 from .weights import (  # noqa: F401
     main_grad_owner,
     prepare_local_shards,
@@ -147,8 +148,9 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
                 check_placements(p, qual)
                 sharded = True
                 summary.weights[qual] = str(p.placements[0])
-                local._zrw_prepared = True
-                local._zrw_dtensor = weakref.ref(p)  # main_grad's owner, seen from a view
+                rec = record_of(local)
+                rec.prepared = True
+                rec.dtensor = weakref.ref(p)  # main_grad's owner, seen from a view
                 if not cache.weight_name(local):
                     cache.set_weight_name(local, qual)
             else:
@@ -156,8 +158,9 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
             summary.local_elements += local.numel()
             if mod.release and (p.requires_grad or getattr(mod, "release_frozen", False)):
                 summary.release_bytes += local.numel() * local.element_size()
-        if sharded and getattr(mod, "_zrw_parallel_hook", None) is None:
-            mod._zrw_parallel_hook = mod.register_forward_pre_hook(prepare_local_shards)
+        mrec = module_record(mod)
+        if sharded and mrec.parallel_hook is None:
+            mrec.parallel_hook = mod.register_forward_pre_hook(prepare_local_shards)
             summary.hooked_modules += 1
     return summary
 

@@ -11,8 +11,11 @@ zrw.checkpoint builds its one-tensor-at-a-time saves on `materialize` and `defer
 from __future__ import annotations
 
 import contextlib
+import copy
+import multiprocessing.context
 import threading
 import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -20,10 +23,14 @@ from torch import Tensor, nn
 
 from . import cache, ops
 from ._dtensor import is_dtensor, local_tensor, wrap_like
+from .record import record_of
 
 _state = threading.local()
 
 FROZEN_MODES = ("dequant", "raise")
+# Fresh copies of released weights pickled for a process being spawned, kept for as long as
+# its Popen object lives (see ReleasedWeightsStateDict.__getstate__).
+_spawn_keepalive: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _frozen_warned = False
 
 
@@ -101,6 +108,26 @@ def materialize(p: Tensor, master: Tensor) -> Tensor:
         return wrap_like(p, master.detach().to(p.dtype, copy=True))
 
 
+def released_value(p: Tensor):
+    """A fresh Parameter holding released parameter `p`'s exact value (bf16 of its FP32
+    master), or None if `p` is not released or has no master (pickling it then raises the
+    released-weight error that names it)."""
+    local = local_tensor(p)
+    if not cache.cache_state(local).released:
+        return None
+    master = cache.master_of(local)
+    if master is None:
+        return None
+    return nn.Parameter(materialize(p, master), requires_grad=p.requires_grad)
+
+
+def keep_for_spawn(popen, t: Tensor) -> None:
+    """Keep `t` alive for as long as `popen` (a process being started) lives: a tensor pickled
+    for torch.multiprocessing.spawn is passed to the child by file descriptor after pickling
+    ends, so a fresh copy made while pickling must outlive it."""
+    _spawn_keepalive.setdefault(popen, []).append(t)
+
+
 class NamedWeight:
     """`zrw_name`, the name zrw's messages give a layer's `weight`, kept on the Parameter itself
     (zrw.cache.set_weight_name), where the cache reads it outside any compiled region: a per-layer
@@ -113,15 +140,15 @@ class NamedWeight:
 
     @property
     def zrw_name(self) -> str:
-        return cache.weight_name(self.weight) or self.__dict__.get("_zrw_layer_name", "")
+        return cache.weight_name(self.weight) or self.__dict__.get("_layer_name", "")
 
     @zrw_name.setter
     def zrw_name(self, name: str) -> None:
-        self.__dict__["_zrw_layer_name"] = name
+        self.__dict__["_layer_name"] = name
         cache.set_weight_name(self.weight, name)
 
     def _weight_names(self) -> dict:
-        return {"weight": self.__dict__.get("_zrw_layer_name")}
+        return {"weight": self.__dict__.get("_layer_name")}
 
     def register_parameter(self, name: str, param) -> None:
         super().register_parameter(name, param)
@@ -164,22 +191,51 @@ class ReleasedWeightsStateDict:
         return [(n, p, cache.master_of(local_tensor(p)))
                 for (n, p), st in zip(params, states) if st.released]
 
+    def _materialized(self):
+        """(name, released parameter, a fresh Parameter holding its exact value) for each
+        released weight with an FP32 master."""
+        return [(n, p, nn.Parameter(materialize(p, m), requires_grad=p.requires_grad))
+                for n, p, m in self._released_weights() if m is not None]
+
     def __getstate__(self):
-        """Pickling and copy.deepcopy of the layer (`torch.save(model, path)`, an EMA or
-        best-model copy between steps): a released weight with an FP32 master goes into the
+        """Pickling of the layer (`torch.save(model, path)`, a process started with
+        torch.multiprocessing.spawn): a released weight with an FP32 master goes into the
         copy as a fresh Parameter holding its exact value (bf16 of the master), so the copy is
         an ordinary layer with readable weights; this layer is not changed (its weights stay
         released). A released weight without a master is left as it is, and pickling it raises
-        the released-weight error that names it."""
+        the released-weight error that names it. While a process is being started (spawn)
+        the fresh Parameters live as long as its Popen object: their shared memory is passed
+        to the child by file descriptor after pickling ends."""
         state = super().__getstate__()
-        released = [(n, p, m) for n, p, m in self._released_weights() if m is not None]
-        if not released:
+        fresh = self._materialized()
+        if not fresh:
             return state
         state = dict(state)  # nn.Module's is the instance's own __dict__
         params = state["_parameters"] = dict(state["_parameters"])
-        for n, p, m in released:
-            params[n] = nn.Parameter(materialize(p, m), requires_grad=p.requires_grad)
+        for n, _, q in fresh:
+            params[n] = q
+        popen = multiprocessing.context.get_spawning_popen()
+        if popen is not None:
+            for _, _, q in fresh:
+                keep_for_spawn(popen, q)
         return state
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of the layer, alone or with its optimizer (`copy.deepcopy((model,
+        opt))`, an EMA or best-model copy between steps): a released weight with an FP32
+        master becomes, in the copy, a fresh Parameter holding its exact value, and every
+        other reference to the same weight in the same deepcopy (the optimizer's param groups)
+        gets that same Parameter. This layer is not changed."""
+        for _, p, q in self._materialized():
+            if id(p) not in memo:
+                memo[id(p)] = q
+                memo.setdefault(id(memo), []).append(p)  # keeps p's id unique meanwhile
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        state = nn.Module.__getstate__(self)
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
     def _restore_released(self) -> None:
         """Bring this layer's released weights back, exactly from their FP32 masters (a weight
@@ -194,7 +250,7 @@ class ReleasedWeightsStateDict:
                 continue
             local = local_tensor(p)
             if cache.restore_value(local) is not None:
-                local._zrw_hold = True
+                record_of(local).hold = True
 
     def apply(self, fn):
         """nn.Module.apply (`model.apply(init_fn)`): `fn` sees this layer's weights with their
@@ -250,6 +306,13 @@ class ReleasedWeightsStateDict:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         released = self._released_weights()
+        if keep_vars:
+            # torch gives the live Parameters: a released one is itself (reading its data
+            # raises the released-weight error that names it; loading it back changes nothing).
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            for n, p, _ in released:
+                destination[prefix + n] = p
+            return
         if deferring():
             # zrw.checkpoint materializes each released weight when it writes it: here the
             # weight itself stands for it (its cache entry, master and metadata; no bytes).
@@ -321,6 +384,9 @@ class ReleasedWeightsStateDict:
         for (n, p), st in zip(params, states):
             if st.released and prefix + n in state_dict:
                 held[n] = (p, st)
+        # A state dict taken with keep_vars=True holds the released weights themselves: loading
+        # one into itself changes nothing.
+        same = {n for n, (p, _) in held.items() if state_dict[prefix + n] is p}
         if held:
             saved = dict(self._parameters)
             for n in held:
@@ -340,6 +406,8 @@ class ReleasedWeightsStateDict:
         for n, (p, st) in held.items():
             key = prefix + n
             value = state_dict[key]
+            if n in same:
+                continue
             if not isinstance(value, torch.Tensor):
                 error_msgs.append(f'While copying the parameter named "{key}", expected '
                                   f"torch.Tensor or Tensor-like object from checkpoint but "
@@ -367,16 +435,17 @@ class ReleasedWeightsStateDict:
                 if st is cache.CacheState.RELEASED_FOR_GOOD:
                     # A frozen weight released for good: restored with these values (its entry
                     # goes; its next use quantizes and releases them again); a master it has
-                    # takes them too.
+                    # takes them too, by the rule of truth.
                     cache.restore(p, "master", source=value.detach())
                     if master is not None:
-                        master.copy_(value.detach().to(p.dtype))
+                        cache.take_into_master(master, value.detach().to(p.dtype))
                 elif master is None:
                     cache.assign_weights([p], [value.detach()])  # restored with these values
                 else:
-                    # The master takes the weight's new value as the weight would hold it.
-                    master.copy_(value.detach().to(p.dtype))
-                    cache.assign_weights([p], [master], keep_released=True)
+                    # The master takes the weight's new value as the weight would hold it, by
+                    # the rule of truth: values equal to master.to(p.dtype) leave it alone.
+                    if cache.take_into_master(master, value.detach().to(p.dtype)):
+                        cache.assign_weights([p], [master], keep_released=True)
         for (n, p), st in zip(params, states):
             if n in held or prefix + n not in state_dict:
                 continue

@@ -26,6 +26,7 @@ from . import cache
 from ._dtensor import check_tensor, engine_view_owner, is_dtensor, wrap_like
 from .config import QuantRecipe, get_recipe
 from .planes import MXPlane, MXPlanesCarrier, MXWeight
+from .record import find_record
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release:
     existed."""
     check_tensor("zrw.parallel.quant_engine_view", "view", view)
     check_tensor("zrw.parallel.quant_engine_view", "owner", owner)
-    if not getattr(owner, "_zrw_prepared", False):
+    rec = find_record(owner)
+    if rec is None or not rec.prepared:
         shown = name or cache.weight_name(owner) or f"<weight of local shape {tuple(owner.shape)}>"
         raise RuntimeError(
             f"zrw: weight '{shown}' reaches its layer as a DTensor.to_local() view (a "
@@ -125,8 +127,8 @@ def main_grad_owner(weight: Tensor) -> Tensor:
     the DTensor parameter it shows (recorded by `prepare`); else `weight` itself."""
     check_tensor("zrw.parallel.main_grad_owner", "weight", weight)
     base = engine_view_owner(weight)
-    ref = getattr(base, "_zrw_dtensor", None) if base is not None else None
-    param = ref() if ref is not None else None
+    rec = find_record(base) if base is not None else None
+    param = rec.dtensor() if rec is not None and rec.dtensor is not None else None
     return weight if param is None else param
 
 

@@ -86,15 +86,15 @@ def run_fsdp(args):
             for pname in ("gate_up_proj", "down_proj"):
                 w = getattr(mod, pname)
                 if isinstance(w, zrw.fsdp.MXGatheredWeight):
-                    states[f"{name}.{pname}"] = w._zrw_state
+                    states[f"{name}.{pname}"] = w._mx_state
             return
         w = mod.weight
         if not isinstance(w, zrw.fsdp.MXGatheredWeight):
             return
-        states[name] = w._zrw_state
+        states[name] = w._mx_state
         if name in first_planes:
             return
-        q = w._zrw_state["planes"]  # the gathered zrw.planes.MXWeight
+        q = w._mx_state["planes"]  # the gathered zrw.planes.MXWeight
         first_planes[name] = {f"{d}_{k}": (None if v is None else v.view(torch.uint8).clone())
                               for d, plane in (("fwd", q.fwd), ("bwd", q.bwd))
                               for k, v in (("data", plane.data), ("scale", plane.scale))}

@@ -87,11 +87,11 @@ def test_prepare_finds_layers_by_their_declaration_and_carries_the_recipe():
     assert all(isinstance(p, PreQuantWeight) for p in wrapped.values())
     assert not isinstance(model.custom.plain, PreQuantWeight)
     for p in wrapped.values():
-        assert p._zrw_recipe == recipe  # the QuantRecipe itself, not the layout's name
+        assert p._mx_recipe == recipe  # the QuantRecipe itself, not the layout's name
         inner, meta = p.__tensor_flatten__()
         again = PreQuantWeight.__tensor_unflatten__({"_tensor": p._tensor}, meta, p.shape,
                                                     p.stride())
-        assert again._zrw_recipe == recipe
+        assert again._mx_recipe == recipe
     assert zrw.fsdp.prepare(model) == 0  # idempotent
 
 
@@ -127,8 +127,8 @@ def test_the_optimizer_boundary_drops_the_shard_caches():
     p = nn.Parameter(torch.randn(64, 32))
     pq = PreQuantWeight(p.detach(), zrw.get_recipe("mxfp8"), "w")
     pq._quantized_shard(torch.bfloat16)
-    assert pq._zrw_planes is not None
+    assert pq._mx_planes is not None
     opt = zrw.optim.attach(torch.optim.SGD([p], lr=0.1), fill="dequant")
     p.grad = torch.zeros_like(p)
     opt.step()
-    assert pq._zrw_planes is None
+    assert pq._mx_planes is None

@@ -146,7 +146,7 @@ def run_2d(args, release=True):
         w = mod.weight
         local = w._local_tensor if zrw.parallel.is_dtensor(w) else w
         if isinstance(local, zrw.fsdp.MXGatheredWeight):
-            states[name] = local._zrw_state
+            states[name] = local._mx_state
 
     for name, mod in model.named_modules():
         if isinstance(mod, zrw.nn.MXLinear):

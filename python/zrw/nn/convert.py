@@ -12,6 +12,7 @@ from .. import cache
 from .._dtensor import local_tensor
 from ..config import QuantRecipe, get_recipe, known_recipes
 from ..planes import is_zrw_layer  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
+from ..record import find_record, module_record, record_of
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
 
@@ -197,27 +198,27 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
     return summary
 
 
-_ROOT_HOOKS = "_zrw_root_hooks"
-
-
 def _install_root_hooks(model: nn.Module) -> None:
     """Hooks on the converted model itself (once): a load_state_dict pre-hook that validates
     the whole state dict before anything is written, and a forward pre-hook that finds weights
     tied after convert, once per optimizer step."""
-    if getattr(model, _ROOT_HOOKS, None) is not None:
+    rec = module_record(model)
+    if rec.root_hooks is not None:
         return
-    handles = (model.register_load_state_dict_pre_hook(_validate_load),
-               model.register_forward_pre_hook(_tie_check_pre_hook),
-               model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook))
-    object.__setattr__(model, _ROOT_HOOKS, handles)
+    rec.root_hooks = (model.register_load_state_dict_pre_hook(_validate_load),
+                      model.register_forward_pre_hook(_tie_check_pre_hook),
+                      model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook))
 
 
+@torch._dynamo.disable
 def _tie_check_pre_hook(module: nn.Module, args) -> None:
     """Forward pre-hook of a converted model: hold_tied_weights at the first forward of each
-    optimizer step (module-level, so that the model still pickles)."""
+    optimizer step (module-level, so that the model still pickles). Eager-only, like the
+    cache it reads: torch.compile runs it outside the graph."""
     step = cache.cache_stats()["step"]
-    if module.__dict__.get("_zrw_tie_step") != step:
-        module.__dict__["_zrw_tie_step"] = step
+    rec = module_record(module)
+    if rec.tie_step != step:
+        rec.tie_step = step
         hold_tied_weights(module)
 
 
@@ -248,14 +249,14 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
     for key, p in quantized.items():
         names = sorted(set(owners[key]))
         local = local_tensor(p)
+        rec = find_record(local)
         if len(names) > 1:
             tied.append(names[0])
-            if getattr(local, "_zrw_tied", None) != names:
-                local._zrw_tied = names
+            record_of(local).tied = tuple(names)
             if cache.cache_state(local).released:
                 cache.restore_value(local)
-        elif getattr(local, "_zrw_tied", None):
-            local._zrw_tied = None
+        elif rec is not None and rec.tied:
+            rec.tied = None
     return tied
 
 
