@@ -381,4 +381,5 @@ def test_register_master_replaces_and_dies_with_the_weight():
     del w
     gc.collect()
     assert alive() is None
-    assert all(k() is not None for k in list(zrw.record._records.data))  # a dead weight drops its entry
+    # a dead weight drops its entry
+    assert all(k() is not None for k in list(zrw.record._records.data))

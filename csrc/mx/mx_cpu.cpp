@@ -489,6 +489,15 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   checks::check_mx_matmul_args(op, a, a_scale, b, b_scale, out_dtype);
 
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  // A tile row is never split along K: a tile holds at least min(rows, 64) whole rows. Past
+  // kMaxK (2^23) one such fp32 tile would exceed 2 GiB, so the call is refused here, before
+  // the result is allocated or any scale is read (issue 28: K = 2^33 scanned every block for
+  // minutes, then ran out of memory).
+  constexpr int64_t kMaxK = int64_t{1} << 23;
+  TORCH_CHECK_VALUE(K <= kMaxK, op, ": the reduction dimension K (a's and b's dim 1) must be at "
+                    "most ", kMaxK, " (2^23: the CPU kernel dequantizes whole rows of K into its "
+                    "tiles, and 64 fp32 rows of a longer K exceed 2 GiB), got K = ", K,
+                    "; split the product along K and add the partial results");
   auto c = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0 || K == 0) return c.zero_();
   const MxOperand A(a, a_scale), B(b, b_scale);

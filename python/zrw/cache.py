@@ -49,6 +49,13 @@ RECIPES = tuple(_C.cache_recipes())
 
 _release_state = threading.local()
 
+# Why torch.compile breaks the graph at zrw's stateful calls (dynamo names it in its message,
+# e.g. under fullgraph=True).
+EAGER_ONLY = ("zrw's weight cache is eager-only: a converted model's forward breaks the graph "
+              "at each zrw layer's cache lookup (and at the model's once-per-step tie check), "
+              "so torch.compile(model, fullgraph=True) cannot compile it; compile without "
+              "fullgraph=True (README: Guarantees)")
+
 
 class CacheState(str, enum.Enum):
     """What the native cache holds for a weight (zrw.cache.cache_state). A str enum: each state
@@ -141,7 +148,7 @@ def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def quant_and_release(
     w: Tensor,
     recipe: str = "mxfp8",
@@ -205,6 +212,9 @@ def quant_and_release(
             "quantized nor released. Materialize the model first (e.g. "
             "model.to_empty(device='cpu') and load or initialize its weights)")
     rec = record_of(w)
+    layout = (recipe, elem_dtype, scale_mode)
+    if rec.quantized_as != layout:
+        rec.quantized_as = layout
     if name is None:
         name = rec.name
     elif name and not rec.name:
@@ -452,7 +462,7 @@ def _no_master_error(op: str, w: Tensor) -> ValueError:
         "the optimizer in zrw.optim.MasterWeights, or use fill='dequant' (lossy)")
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) -> None:
     """Bring back one released weight's BF16 storage (original byte count) and drop its entry.
 
@@ -481,7 +491,7 @@ def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) ->
     torch.ops.zrw.restore(w, fill, source)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_value(w: Tensor) -> Optional[Tensor]:
     """Bring back `w`'s value so that it can be read or written: a released weight is restored
     exactly from its FP32 master, or, without one, from its FP8 copy (its only value: a frozen
@@ -498,7 +508,7 @@ def restore_value(w: Tensor) -> Optional[Tensor]:
     return master
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
     """The boundary of one optimizer: for exactly these weights, drop their FP8 entries and
     restore the released ones with `fill` ("master" takes each weight's registered master).
@@ -518,7 +528,7 @@ def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
     return torch.ops.zrw.restore_weights(ws, fill, sources)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
                    keep_released: bool = False) -> int:
     """Write each source's values (rounded to the weight's dtype, as `w.copy_(source)`) into its
@@ -546,7 +556,7 @@ def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
     return torch.ops.zrw.assign_weights(ws, srcs, keep_released)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_all(fill: str = "master") -> int:
     """Restore every released trainable weight and drop every trainable weight's FP8 entry.
 

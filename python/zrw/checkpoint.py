@@ -36,7 +36,9 @@ from .state_dict import (  # noqa: F401
     FROZEN_MODES,
     deferred,
     deferring,
+    frozen_error,
     frozen_mode,
+    frozen_value,
     frozen_values,
     materialize,
     warn_frozen_dequant,
@@ -63,28 +65,41 @@ def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
 
 def _master(name: str, t: Tensor) -> Optional[Tensor]:
     """The FP32 master of state-dict entry `name` if it is a released weight, None if it is
-    not released; a released weight without a master raises a named error."""
+    not released or is a frozen weight released for good that state_dict() would give as its
+    dequantized FP8 copy (frozen_values('dequant'), the default). A frozen weight under
+    frozen_values('raise'), and any other released weight without a master, raise a named
+    error."""
     local = local_tensor(t)
-    if not cache.cache_state(local).released:
+    state = cache.cache_state(local)
+    if not state.released:
         return None
     master = cache.master_of(local)
-    if master is None:
-        shown = cache.weight_name(local) or name
-        raise RuntimeError(
-            f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
-            "materialize it from; nothing more was written. Save after the optimizer step with "
-            "zrw.optim.MasterWeights, or restore the weights first with "
-            "zrw.cache.restore_all('master')")
-    return master
+    if master is not None:
+        return master
+    shown = cache.weight_name(local) or name
+    if state is cache.CacheState.RELEASED_FOR_GOOD:
+        if frozen_mode() == "raise":
+            raise frozen_error("zrw.checkpoint", repr(shown))
+        return None
+    raise RuntimeError(
+        f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
+        "materialize it from; nothing more was written. Save after the optimizer step with "
+        "zrw.optim.MasterWeights, or restore the weights first with "
+        "zrw.cache.restore_all('master')")
 
 
 def _value(name: str, t: Tensor) -> Tensor:
-    """The tensor to save for state-dict entry `name`: a released weight's exact value, else
-    `t` itself (also when it is not a tensor: a module's extra state)."""
+    """The tensor to save for state-dict entry `name`: a released weight's exact value (a
+    frozen weight released for good: its dequantized FP8 copy, as state_dict() gives it),
+    else `t` itself (also when it is not a tensor: a module's extra state)."""
     if not isinstance(t, Tensor):
         return t
     master = _master(name, t)
-    return t if master is None else materialize(t, master)
+    if master is not None:
+        return materialize(t, master)
+    if cache.cache_state(local_tensor(t)) is cache.CacheState.RELEASED_FOR_GOOD:
+        return frozen_value(t)
+    return t
 
 
 def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:

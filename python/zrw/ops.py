@@ -215,8 +215,10 @@ def mx_matmul(
     (`zrw.backends()["cpu"]["gemm"]`); elsewhere fp32 tiles and the fp32 GEMM, whose products go
     through an fp32 product tile when the result is bf16/fp16. The tiles (an A tile of at most
     16 MiB, a B tile of 8 MiB and a 16 MiB product tile: 40 MiB) live in a workspace that
-    persists between calls; see `matmul_workspace_bytes` and `free_matmul_workspace`. A hardware
-    MX GEMM where the backend has one.
+    persists between calls; see `matmul_workspace_bytes` and `free_matmul_workspace`. A tile
+    holds whole rows of K, at least 64 of them (or all there are), so the bounds hold for K up
+    to 2^16 and tiles grow past them beyond; a K above 2^23 is refused at once (ValueError
+    naming K: split the product along K). A hardware MX GEMM where the backend has one.
     """
     _check_types(_MATMUL, a, a_scale, b, b_scale, out_dtype)
     return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)

@@ -50,6 +50,10 @@ class WeightRecord:
     prepared  a DTensor local shard checked by zrw.parallel.prepare (a parallel engine may
               hand the layer a `to_local()` view of it)
     dtensor   the DTensor parameter a local shard belongs to (weak), where main_grad goes
+    quantized_as  (cache layout, element dtype, scale mode) of its last quantization: how its
+              FP8 copy is read back (a frozen weight released for good has no other value)
+    main_grad the zrw layers accumulate its gradient in FP32 `main_grad` (cleared by
+              `nn.Module.zero_grad` as `.grad` is)
     """
 
     name: str = ""
@@ -62,6 +66,8 @@ class WeightRecord:
     tied: Optional[Tuple[str, ...]] = None
     prepared: bool = False
     dtensor: Optional["weakref.ref[torch.Tensor]"] = None
+    quantized_as: Optional[tuple] = None
+    main_grad: bool = False
 
     # -- owners and masters ------------------------------------------------------------------
     def live_owners(self) -> List[Any]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import cache, ops
 from ._dtensor import is_dtensor, local_tensor, wrap_like
-from .record import record_of
+from .record import find_record, record_of
 
 _state = threading.local()
 
@@ -119,6 +119,35 @@ def released_value(p: Tensor):
     if master is None:
         return None
     return nn.Parameter(materialize(p, master), requires_grad=p.requires_grad)
+
+
+def frozen_value(p: Tensor) -> Tensor:
+    """A frozen weight released for good, as its dequantized FP8 copy (its only value; what
+    `zrw.cache.restore_frozen` writes back), with the once-per-process warning: a fresh
+    tensor (a DTensor laid out as `p` for a DTensor weight); the weight stays released."""
+    local = local_tensor(p)
+    warn_frozen_dequant(cache.weight_name(local))
+    rec = find_record(local)
+    if rec is None or rec.quantized_as is None:  # (a released weight was always quantized)
+        raise RuntimeError(f"zrw.checkpoint.frozen_value: weight "
+                           f"'{cache.weight_name(local)}' has no record of its quantization")
+    layout, elem_dtype, scale_mode = rec.quantized_as
+    with torch.no_grad():
+        q = cache.quant_and_release(local, layout, False, release_frozen=True,
+                                    elem_dtype=elem_dtype, scale_mode=scale_mode)
+        value = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, local.dtype)
+    return wrap_like(p, value)
+
+
+def frozen_error(where: str, names: str) -> RuntimeError:
+    """The named error of a save under frozen_values('raise') that meets frozen weights
+    released for good."""
+    return RuntimeError(
+        f"{where}: frozen weight(s) {names} are released for good (release_frozen=True) "
+        "and only their MXFP8 copies exist; nothing was returned or written "
+        "(zrw.checkpoint.frozen_values('raise') is in effect). Use frozen_values('dequant') "
+        "for their dequantized FP8 values, or convert with release_frozen=False to keep their "
+        "exact BF16 values")
 
 
 def keep_for_spawn(popen, t: Tensor) -> None:
@@ -327,12 +356,8 @@ class ReleasedWeightsStateDict:
         if frozen and frozen_mode() == "raise":
             names = ", ".join(repr(cache.weight_name(local_tensor(p)) or n)
                               for n, p in frozen.items())
-            raise RuntimeError(
-                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}': frozen "
-                f"weight(s) {names} are released for good (release_frozen=True) and only their "
-                "MXFP8 copies exist; nothing was returned (zrw.checkpoint.frozen_values('raise') "
-                "is in effect). Use frozen_values('dequant') for their dequantized FP8 values, "
-                "or convert with release_frozen=False to keep their exact BF16 values")
+            raise frozen_error(
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}'", names)
         orphans = [local_tensor(p) for n, p, m in released
                    if m is None and n not in frozen]
         if orphans:
@@ -353,18 +378,7 @@ class ReleasedWeightsStateDict:
                 destination[prefix + n] = materialize(p, m)
 
     def _frozen_value(self, p: Tensor) -> Tensor:
-        """A frozen weight released for good, as its dequantized FP8 copy (its only value;
-        what `zrw.cache.restore_frozen` writes back): a fresh tensor, the weight stays
-        released."""
-        warn_frozen_dequant(cache.weight_name(local_tensor(p)))
-        local = local_tensor(p)
-        with torch.no_grad():
-            q = cache.quant_and_release(local, self.recipe.cache_layout, False,
-                                        release_frozen=True,
-                                        elem_dtype=self.recipe.elem_dtype,
-                                        scale_mode=self.recipe.scale_mode)
-            value = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, local.dtype)
-        return wrap_like(p, value)
+        return frozen_value(p)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:

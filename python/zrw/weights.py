@@ -16,6 +16,7 @@ public attributes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -26,7 +27,7 @@ from . import cache
 from ._dtensor import check_tensor, engine_view_owner, is_dtensor, wrap_like
 from .config import QuantRecipe, get_recipe
 from .planes import MXPlane, MXPlanesCarrier, MXWeight
-from .record import find_record
+from .record import find_record, record_of
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def check_recipe(op: str, recipe) -> QuantRecipe:
     return recipe
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=cache.EAGER_ONLY)
 def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
                 release_frozen: bool, name: Optional[str] = None) -> MXWeight:
     """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
@@ -149,14 +150,55 @@ def _engine_accumulates(owner: Tensor) -> bool:
 def accumulate_main_grad(owner: Tensor, grad: Tensor) -> None:
     """Megatron-style: add the FP32 gradient `grad` (of owner's local shard, for a DTensor
     owner) into `owner.main_grad`, creating it at the first backward of a step. Nothing is
-    added by a backward pass that does not accumulate into `owner` (`_engine_accumulates`)."""
+    added by a backward pass that does not accumulate into `owner` (`_engine_accumulates`).
+    `nn.Module.zero_grad` clears it as it clears `.grad` (`_clear_main_grads`)."""
     if not _engine_accumulates(owner):
         return
     g = wrap_like(owner, grad)
     if getattr(owner, "main_grad", None) is None:
+        _install_zero_grad()
+        record_of(owner).main_grad = True
         owner.main_grad = g
     else:
         owner.main_grad.add_(g)
+
+
+# `model.zero_grad()` must clear main_grad as it clears `.grad` (a micro-batch discarded with
+# it must not reach the next step), and torch gives a module's zero_grad no hook: zrw wraps
+# nn.Module.zero_grad once, when it first accumulates a main_grad. The wrapper runs torch's own
+# zero_grad, then clears the main_grad of each parameter of the module whose record says zrw
+# accumulates it (set_to_none: None, as torch sets `.grad`; else zeros); other parameters and
+# modules are untouched.
+_zero_grad_installed = False
+
+
+def _install_zero_grad() -> None:
+    global _zero_grad_installed
+    if _zero_grad_installed:
+        return
+    _zero_grad_installed = True
+    torch_zero_grad = torch.nn.Module.zero_grad
+
+    @functools.wraps(torch_zero_grad)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch_zero_grad(self, set_to_none)
+        _clear_main_grads(self.parameters(), set_to_none)
+
+    torch.nn.Module.zero_grad = zero_grad
+
+
+def _clear_main_grads(params, set_to_none: bool) -> None:
+    for p in params:
+        if getattr(p, "main_grad", None) is None:
+            continue
+        rec = find_record(p)
+        if rec is None or not rec.main_grad:
+            continue
+        if set_to_none:
+            p.main_grad = None
+        else:
+            with torch.no_grad():
+                p.main_grad.zero_()
 
 
 def prepare_local_shards(module, args, kwargs=None):

@@ -210,7 +210,7 @@ def _install_root_hooks(model: nn.Module) -> None:
                       model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook))
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason=cache.EAGER_ONLY)
 def _tie_check_pre_hook(module: nn.Module, args) -> None:
     """Forward pre-hook of a converted model: hold_tied_weights at the first forward of each
     optimizer step (module-level, so that the model still pickles). Eager-only, like the
