@@ -7,6 +7,7 @@ it when you add it. Read from the sources with `ast`, so nothing is imported to 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -139,3 +140,37 @@ def test_the_check_fails_on_a_bad_import(source, why):
     is reported, naming the module and the line."""
     found = violations("zrw.weights", source, False)
     assert found and all(f.startswith("zrw.weights:") for f in found), (why, found)
+
+
+def _error_labels(tree: ast.AST):
+    """(line, module part, function) of every string that starts with an error label
+    `zrw.<module>.<function>` (alone or followed by ': ')."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = re.match(r"(zrw(?:\.[A-Za-z_]+)*)\.([A-Za-z_]+)(?:: |$)", node.value)
+            if m:
+                yield node.lineno, m.group(1), m.group(2)
+
+
+def test_error_labels_name_the_module_that_defines_the_function():
+    """An error label is the module that defines the function (grep the message, find the
+    def): a label `zrw.a.b.f` written in a module that defines `f` must be that module's own
+    name. Names exported from the package root (`zrw.convert`) are their own home."""
+    root_names = set()
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            root_names |= {a.asname or a.name for a in node.names}
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mod = module_name(path, PACKAGE)
+        tree = ast.parse(path.read_text())
+        defs = {n.name for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        for line, label_mod, fn in _error_labels(tree):
+            if fn not in defs or label_mod == mod:
+                continue
+            if label_mod == "zrw" and fn in root_names:
+                continue
+            wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {label_mod}.{fn} "
+                         f"(defined in {mod})")
+    assert not wrong, "error labels naming another module:\n" + "\n".join(wrong)

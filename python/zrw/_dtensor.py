@@ -57,8 +57,8 @@ def local_tensor(t: Tensor) -> Tensor:
 def wrap_like(param: Tensor, local: Tensor) -> Tensor:
     """A local tensor (e.g. an FP32 gradient of the local shard) as a DTensor laid out like
     `param`; `local` itself when `param` is not a DTensor."""
-    check_tensor("zrw.parallel.wrap_like", "param", param)
-    check_tensor("zrw.parallel.wrap_like", "local", local)
+    check_tensor("zrw._dtensor.wrap_like", "param", param)
+    check_tensor("zrw._dtensor.wrap_like", "local", local)
     if not is_dtensor(param):
         return local
     return _dtensor_cls().from_local(local, param.device_mesh, param.placements,
@@ -73,7 +73,7 @@ def engine_view_owner(w: Tensor) -> Optional[Tensor]:
     Recognized by what such a view is, not by the private name of the engine's autograd node:
     an autograd-connected alias (same shape, strides and offset) of a leaf that autograd does
     not track itself (a DTensor's local shard never requires grad: its DTensor does)."""
-    check_tensor("zrw.parallel.engine_view_owner", "w", w)
+    check_tensor("zrw._dtensor.engine_view_owner", "w", w)
     base = getattr(w, "_base", None)
     if base is None or w.grad_fn is None or base.grad_fn is not None or base.requires_grad:
         return None
@@ -97,9 +97,9 @@ def shard_info(p) -> Tuple[Optional[int], int]:
 def check_placements(w: Tensor, name: str) -> None:
     """A zrw weight that is a DTensor: a 1-d mesh, one Shard / _StridedShard / Replicate
     placement, and shards holding whole 32-element blocks along both blocked axes."""
-    check_dtensor("zrw.parallel.check_placements", "w", w)
+    check_dtensor("zrw._dtensor.check_placements", "w", w)
     if not isinstance(name, str):
-        raise TypeError(f"zrw.parallel.check_placements: name must be a str, got "
+        raise TypeError(f"zrw._dtensor.check_placements: name must be a str, got "
                         f"{type(name).__name__}")
     mesh = w.device_mesh
     if mesh.ndim != 1:

@@ -148,7 +148,6 @@ def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
-@torch._dynamo.disable(reason=EAGER_ONLY)
 def quant_and_release(
     w: Tensor,
     recipe: str = "mxfp8",
@@ -183,6 +182,15 @@ def quant_and_release(
     weight's local shard never requires grad itself (its DTensor does), so zrw.parallel passes
     the DTensor's flag for it.
     """
+    if torch.compiler.is_compiling():  # (dynamo: a graph break, with EAGER_ONLY's reason)
+        return _eager_quant_and_release(w, recipe, release, release_frozen, elem_dtype,
+                                        scale_mode, name, require_owner, trainable)
+    return _quant_and_release(w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
+                              require_owner, trainable)
+
+
+def _quant_and_release(w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
+                       require_owner, trainable) -> MXWeight:
     op = "zrw.cache.quant_and_release"
     if trainable is None:
         trainable = w.requires_grad if isinstance(w, Tensor) else False
@@ -279,6 +287,11 @@ def _unfreeze(op: str, w: Tensor, rec, name: str) -> None:
             "weights: lossy), or build the optimizer over it before it is released "
             "(zrw.optim.AdamW / MasterWeights keep its exact FP32 master)")
     torch.ops.zrw.restore(w, "master", master)
+
+
+# The stateful lookup, never traced: torch.compile breaks the graph here (the public
+# quant_and_release sends dynamo to it; eager calls skip the wrapper's cost).
+_eager_quant_and_release = torch._dynamo.disable(_quant_and_release, reason=EAGER_ONLY)
 
 
 _unowned_warned = False
@@ -706,7 +719,7 @@ def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> R
     restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
     `remove()` unregisters it. (Also zrw.optim.register_boundary_callback.)"""
     if not callable(fn):
-        raise TypeError(f"zrw.optim.register_boundary_callback: fn must be callable, got "
+        raise TypeError(f"zrw.cache.register_boundary_callback: fn must be callable, got "
                         f"{type(fn).__name__}")
     handle = RemovableHandle(_boundary_callbacks)
     _boundary_callbacks[handle.id] = fn

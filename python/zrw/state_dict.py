@@ -48,7 +48,7 @@ def frozen_values(mode: str) -> Iterator[None]:
     good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
     against the BF16 weight it was made from) or "raise"."""
     if mode not in FROZEN_MODES:
-        raise ValueError(f"zrw.checkpoint.frozen_values: mode must be one of {FROZEN_MODES}, "
+        raise ValueError(f"zrw.state_dict.frozen_values: mode must be one of {FROZEN_MODES}, "
                          f"got {mode!r}")
     prev = frozen_mode()
     _state.frozen = mode
@@ -93,7 +93,7 @@ def materialize(p: Tensor, master: Tensor) -> Tensor:
     """A fresh tensor holding released weight `p`'s value, bf16 (p's dtype) of its FP32
     master; a DTensor weight gets a DTensor laid out as it is. `master` is the master of p's
     local tensor (zrw.cache.master_of), of its shape."""
-    op = "zrw.checkpoint.materialize"
+    op = "zrw.state_dict.materialize"
     if not isinstance(p, Tensor):
         raise TypeError(f"{op}: p must be a torch.Tensor (the released weight), got "
                         f"{type(p).__name__}")
@@ -129,7 +129,7 @@ def frozen_value(p: Tensor) -> Tensor:
     warn_frozen_dequant(cache.weight_name(local))
     rec = find_record(local)
     if rec is None or rec.quantized_as is None:  # (a released weight was always quantized)
-        raise RuntimeError(f"zrw.checkpoint.frozen_value: weight "
+        raise RuntimeError(f"zrw.state_dict.frozen_value: weight "
                            f"'{cache.weight_name(local)}' has no record of its quantization")
     layout, elem_dtype, scale_mode = rec.quantized_as
     with torch.no_grad():

@@ -74,8 +74,8 @@ def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release
                 release_frozen: bool, name: Optional[str] = None) -> MXWeight:
     """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
     view of it) is (`requires_grad`)."""
-    check_tensor("zrw.parallel.quant_local", "owner", owner)
-    check_recipe("zrw.parallel.quant_local", recipe)
+    check_tensor("zrw.weights.quant_local", "owner", owner)
+    check_recipe("zrw.weights.quant_local", recipe)
     return cache.quant_and_release(owner, recipe.cache_layout, release,
                                    release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
                                    scale_mode=recipe.scale_mode, name=name,
@@ -87,8 +87,8 @@ def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release:
     """The planes of a weight the engine handed to forward as a `to_local()` view: those of
     its local tensor, which `prepare`'s pre-hook quantized (and released) before the view
     existed."""
-    check_tensor("zrw.parallel.quant_engine_view", "view", view)
-    check_tensor("zrw.parallel.quant_engine_view", "owner", owner)
+    check_tensor("zrw.weights.quant_engine_view", "view", view)
+    check_tensor("zrw.weights.quant_engine_view", "owner", owner)
     rec = find_record(owner)
     if rec is None or not rec.prepared:
         shown = name or cache.weight_name(owner) or f"<weight of local shape {tuple(owner.shape)}>"
@@ -126,7 +126,7 @@ def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
 def main_grad_owner(weight: Tensor) -> Tensor:
     """The parameter that accumulates `weight`'s main_grad: for an engine's to_local() view,
     the DTensor parameter it shows (recorded by `prepare`); else `weight` itself."""
-    check_tensor("zrw.parallel.main_grad_owner", "weight", weight)
+    check_tensor("zrw.weights.main_grad_owner", "weight", weight)
     base = engine_view_owner(weight)
     rec = find_record(base) if base is not None else None
     param = rec.dtensor() if rec is not None and rec.dtensor is not None else None

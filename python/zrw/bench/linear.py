@@ -17,6 +17,9 @@ and, timed on their own: the recipe's weight kernel alone (dual-axis 1x32, or 32
 what release adds per step (free + poison on the miss, re-allocation at the boundary's
 restore, against the same miss keeping the BF16).
 
+First, the host's cost per layer (`run_host`): a 64x64 weight on 4 tokens on one thread, where
+the arithmetic is negligible, MXLinear's forward + backward on a cache hit against nn.Linear's.
+
 Then, as whole training steps against BF16 (same data, same optimizer):
   stack          a stack of --stack-layers MXLinear(H, H) layers (ReLU between) against
                  nn.Linear in BF16, forward + backward, for H in --stack-hidden (1024, 4096)
@@ -240,6 +243,39 @@ def run_model(hidden: int, steps: int = 3) -> dict:
     return out
 
 
+def run_host(recipes=RECIPES, n: int = 64, tokens: int = 4, calls: int = 200,
+             rounds: int = 15) -> dict:
+    """The host's cost of a layer: forward + backward of a 64x64 weight on 4 tokens on one
+    thread, where the arithmetic is negligible, for nn.Linear in BF16 and MXLinear on a cache
+    hit (each with its optimizer built, the weight owned: what a training step's later
+    micro-batches pay per layer). On an accelerator the GEMMs are fast and this per-layer host
+    work is what remains. Ratios of the best of interleaved rounds of `calls` steps each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, n, generator=g).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(tokens, n, generator=g).to(torch.bfloat16)
+        layers = {"bf16": torch.nn.Linear(n, n, dtype=torch.bfloat16)}
+        for recipe in recipes:
+            layers[recipe] = MXLinear(n, n, recipe=recipe, dtype=torch.bfloat16)
+        opts = [zrw.optim.AdamW(layer.parameters()) for layer in layers.values()]  # owned
+
+        def steps(layer):
+            def fn():
+                for _ in range(calls):
+                    layer(x).backward(dy)
+            return fn
+
+        best = best_of_interleaved({k: steps(v) for k, v in layers.items()}, rounds)
+        del opts
+    finally:
+        torch.set_num_threads(threads)
+    us = {k: v / calls * 1e6 for k, v in best.items()}
+    return {"weight": [n, n], "tokens": tokens, "threads": 1, "us": us,
+            "over_linear": {r: us[r] / us["bf16"] for r in recipes}}
+
+
 def run(tokens: int = 2048, shapes=((1024, 1024), (4096, 1024)), recipes=RECIPES,
         repeat: int = 3, stack_hidden=(1024, 4096), stack_layers: int = 4,
         stack_tokens: int = 512, model_hidden: int = 1024) -> dict:
@@ -252,6 +288,7 @@ def run(tokens: int = 2048, shapes=((1024, 1024), (4096, 1024)), recipes=RECIPES
         "gemm_path": zrw._C.cpu_gemm(),
         "native_bf16": zrw._C.cpu_native_bf16(),
         "tokens": tokens,
+        "host": run_host(recipes),
         "shapes": [run_shape(tokens, n, k, recipes, repeat) for n, k in shapes],
         "stack": [run_stack(h, stack_layers, stack_tokens, repeat) for h in stack_hidden],
         "model": None if not model_hidden else run_model(model_hidden, repeat),
@@ -295,6 +332,12 @@ def main(argv=None) -> None:
     print(f"zrw {zrw.__version__}: MXLinear training step (forward + backward) vs BF16 "
           f"nn.Linear, {r['tokens']} tokens, {r['threads']} threads, kernel ISA {r['cpu_isa']}, "
           f"mx_matmul GEMM {r['gemm_path']} (native BF16: {'yes' if r['native_bf16'] else 'no'})")
+    h = r["host"]
+    print_table(f"\n  host cost per layer: weight {h['weight'][0]}x{h['weight'][1]}, "
+                f"{h['tokens']} tokens, 1 thread, forward + backward (MX: a cache hit; "
+                "issue 28's target: at most 2.5x nn.Linear)", ["", "us", "x nn.Linear"],
+                [["BF16 nn.Linear", h["us"]["bf16"], 1.0]]
+                + [[f"MXLinear ({rc})", h["us"][rc], x] for rc, x in h["over_linear"].items()])
     for s in r["shapes"]:
         bf16 = s["ms"]["bf16_linear_step"]
         rows = [["BF16 nn.Linear step", bf16, 1.0, ""]]

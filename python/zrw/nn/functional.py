@@ -37,14 +37,20 @@ from ..weights import main_grad_owner as _main_grad_owner
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# The GEMMs' ops run inside the autograd functions below, where no input requires grad: the
+# dispatcher is sent straight past the Autograd key (zrw._autograd's refusal of differentiable
+# inputs, a Python kernel, would cost a Python round trip per op for nothing).
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
 
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, weight: Tensor, bias: Optional[Tensor], w_fwd: Tensor,
                 w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
                 scale_mode: str, main_grad_owner: Optional[Tensor]):
-        qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
-        y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
+        with _below_autograd():
+            qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
+            y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
         if bias is not None:
             y = y + bias
         ctx.gathered = weight if w_bwd is None else None
@@ -63,15 +69,16 @@ class _MXLinearFn(torch.autograd.Function):
             # FSDP2: the backward re-gather has just filled the weight's backward plane.
             w_bwd, w_bwd_scale = ctx.gathered.mx_weight("bwd").bwd
         dy = dy.contiguous()
-        qdy_n, sdy_n, qdy_m, sdy_m = ops.mx_quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = ops.mx_matmul(qdy_n, sdy_n, w_bwd.t(), w_bwd_scale.t(), ctx.x_dtype)
-        dw = None
+        dx = dw = None
+        owner = ctx.main_grad_owner
+        with _below_autograd():
+            qdy_n, sdy_n, qdy_m, sdy_m = ops.mx_quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
+            if ctx.needs_input_grad[0]:
+                dx = ops.mx_matmul(qdy_n, sdy_n, w_bwd.t(), w_bwd_scale.t(), ctx.x_dtype)
+            if ctx.w_requires_grad:
+                dw_dtype = ctx.w_dtype if owner is None else torch.float32
+                dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), dw_dtype)
         if ctx.w_requires_grad:
-            owner = ctx.main_grad_owner
-            dw_dtype = ctx.w_dtype if owner is None else torch.float32
-            dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), dw_dtype)
             if owner is not None:
                 accumulate_main_grad(owner, dw)
                 dw = None
@@ -89,14 +96,15 @@ class _MXGroupedFn(torch.autograd.Function):
         y = x.new_empty(x.shape[0], N)
         saved: List[Tensor] = []
         off = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            xe = x[off:off + c]
-            qk, sk, qm, sm = ops.mx_quantize_dual(xe, elem_dtype, scale_mode)
-            y[off:off + c] = ops.mx_matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
-            saved += [qm, sm]
-            off += c
+        with _below_autograd():
+            for e, c in enumerate(counts):
+                if c == 0:
+                    continue
+                xe = x[off:off + c]
+                qk, sk, qm, sm = ops.mx_quantize_dual(xe, elem_dtype, scale_mode)
+                y[off:off + c] = ops.mx_matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
+                saved += [qm, sm]
+                off += c
         ctx.gathered = weight if w_bwd is None else None
         ctx.save_for_backward(w_bwd, w_bwd_scale, *saved)
         ctx.counts = list(counts)
@@ -119,18 +127,20 @@ class _MXGroupedFn(torch.autograd.Function):
         dw = dy.new_zeros(ctx.w_shape, dtype=dw_dtype) if ctx.w_requires_grad else None
         off = 0
         i = 0
-        for e, c in enumerate(ctx.counts):
-            if c == 0:
-                continue
-            qn, sn, qm, sm = ops.mx_quantize_dual(dy[off:off + c], ctx.elem_dtype, ctx.scale_mode)
-            if dx is not None:
-                dx[off:off + c] = ops.mx_matmul(qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(),
-                                                ctx.x_dtype)
-            if dw is not None:
-                qx_m, sx_m = saved[i], saved[i + 1]
-                dw[e] = ops.mx_matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
-            i += 2
-            off += c
+        with _below_autograd():
+            for e, c in enumerate(ctx.counts):
+                if c == 0:
+                    continue
+                qn, sn, qm, sm = ops.mx_quantize_dual(dy[off:off + c], ctx.elem_dtype,
+                                                      ctx.scale_mode)
+                if dx is not None:
+                    dx[off:off + c] = ops.mx_matmul(qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(),
+                                                    ctx.x_dtype)
+                if dw is not None:
+                    qx_m, sx_m = saved[i], saved[i + 1]
+                    dw[e] = ops.mx_matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
+                i += 2
+                off += c
         if owner is not None and dw is not None:
             accumulate_main_grad(owner, dw)
             dw = None
@@ -262,7 +272,7 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
     otherwise. Returns a DTensor. (Also zrw.parallel.dtensor_linear.)"""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    op = "zrw.parallel.dtensor_linear"
+    op = "zrw.nn.functional.dtensor_linear"
     check_dtensor(op, "weight", weight)
     check_tensor(op, "x", x)
     if bias is not None:
