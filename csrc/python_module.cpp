@@ -1,9 +1,15 @@
 // `zrw._C` is a Python extension module so that `import zrw._C` loads the shared library (and
 // with it the TORCH_LIBRARY registrations). The ops are reached through torch.ops.zrw.*; the
-// module itself only reports build facts, so the library needs no libtorch_python.
+// module itself only reports build facts (and digests raw bytes for zrw.cache), so the library
+// needs no libtorch_python.
 #include <Python.h>
 
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
 #include <exception>
+#include <functional>
 
 #include "common/names.h"
 #include "memory/counting_allocator.h"
@@ -42,6 +48,50 @@ PyObject* cpu_matmul_workspace_bytes(PyObject*, PyObject*) {
 
 PyObject* cpu_free_matmul_workspace(PyObject*, PyObject*) {
   return PyLong_FromLongLong(zrw::cpu::free_matmul_workspace());
+}
+
+// A 64-bit digest of `nbytes` bytes at `addr` (a contiguous CPU tensor's data, read, never
+// written): MasterWeights records it for each parameter it writes back and compares it before
+// the next step, to see writes that bump no version counter (through `.data`) without
+// comparing every parameter with its FP32 master (docs/design.md, "Rules of truth"). Each
+// 8-byte word is mixed with its position (two multiplies, non-linear), so reordered, shifted
+// or rewritten bytes change the digest except with probability ~2^-64. Threads:
+// at::parallel_reduce, without the GIL.
+uint64_t digest_words(const unsigned char* p, int64_t begin, int64_t end) {
+  uint64_t acc = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    uint64_t w;
+    std::memcpy(&w, p + 8 * i, 8);
+    uint64_t h = (w ^ (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ULL)) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 32;
+    acc += h * 0xc4ceb9fe1a85ec53ULL;
+  }
+  return acc;
+}
+
+PyObject* bits_digest(PyObject*, PyObject* args) {
+  unsigned long long addr = 0;
+  long long nbytes = 0;
+  if (!PyArg_ParseTuple(args, "KL", &addr, &nbytes)) return nullptr;
+  if (nbytes < 0 || (addr == 0 && nbytes > 0)) {
+    PyErr_Format(PyExc_ValueError, "zrw._C.bits_digest: expected a data pointer and a byte "
+                 "count >= 0, got %llu and %lld", addr, nbytes);
+    return nullptr;
+  }
+  const auto* p = reinterpret_cast<const unsigned char*>(addr);
+  const int64_t words = nbytes / 8;
+  uint64_t h = 0;
+  Py_BEGIN_ALLOW_THREADS
+  h = at::parallel_reduce(
+      int64_t{0}, words, int64_t{1} << 15, uint64_t{0},
+      [&](int64_t b, int64_t e, uint64_t acc) { return acc + digest_words(p, b, e); },
+      std::plus<uint64_t>());
+  Py_END_ALLOW_THREADS
+  unsigned char tail[8] = {0};
+  std::memcpy(tail, p + 8 * words, static_cast<size_t>(nbytes - 8 * words));
+  h += digest_words(tail, 0, 1) * (static_cast<uint64_t>(words) | 1);
+  h ^= static_cast<uint64_t>(nbytes) * 0x9E3779B97F4A7C15ULL;
+  return PyLong_FromUnsignedLongLong(h);
 }
 
 PyObject* cpu_native_bf16(PyObject*, PyObject*) {
@@ -113,6 +163,8 @@ PyMethodDef zrw_methods[] = {
      "Free mx_matmul's CPU tile workspace; returns the bytes dropped."},
     {"cpu_native_bf16", cpu_native_bf16, METH_NOARGS,
      "Whether this CPU has native BF16 dot products (avx512_bf16, AMX-BF16, Arm BF16)."},
+    {"bits_digest", bits_digest, METH_VARARGS,
+     "bits_digest(data_ptr, nbytes): a 64-bit digest of a contiguous CPU tensor's bytes."},
     {"scale_modes", scale_modes, METH_NOARGS, "The MX scale rules the ops accept."},
     {"fill_names", fill_names, METH_NOARGS, "The fills a restore of a released weight accepts."},
     {"cache_recipes", cache_recipes, METH_NOARGS, "The native cache's weight layouts."},

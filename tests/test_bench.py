@@ -90,7 +90,12 @@ def test_bench_unknown_name_is_an_error():
 
 def test_bench_cache_json():
     r = run_bench("cache", "--sizes", "64x96", "--repeat", "1", "--dim", "64", "--layers", "2",
-                  "--tokens", "8", "--micro", "1", "--steps", "1")
+                  "--tokens", "8", "--micro", "1", "--steps", "1", "--check-params", "2",
+                  "--check-dim", "64")
+    wc = r["write_check"]
+    assert (wc["params"], wc["dim"]) == (2, 64)
+    for mode in ("digest", "bit comparison"):
+        assert positive(wc["modes"][mode]["step_ms"]) and positive(wc["modes"][mode]["check_ms"])
     for recipe in ("mxfp8", "mxfp8-32x32"):
         op = r["op"][recipe]["64x96"]
         assert all(positive(op[k]) for k in ("bare_ms", "miss_ms", "miss_no_release_ms", "hit_us"))

@@ -239,3 +239,41 @@ def test_state_dict_round_trip_keeps_scheduled_hyperparameters():
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 3
     for m, m2 in zip(opt.masters[0], opt2.masters[0]):
         assert torch.equal(m, m2)
+
+
+def test_the_write_digest_sees_every_kind_of_change():
+    """zrw.cache.weight_digest (MasterWeights' check for writes through `.data`): equal bytes
+    give equal digests; one flipped bit, two swapped elements, a shifted tensor, and a tail
+    byte past the last 8-byte word each change it."""
+    from zrw import cache
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1001, generator=g).to(torch.bfloat16)  # 2002 bytes: a 2-byte tail
+    d = cache.weight_digest(t)
+    assert d == cache.weight_digest(t.clone())
+    flipped = t.clone()
+    flipped.view(torch.int16)[500] ^= 1
+    swapped = t.clone()
+    swapped[[3, 700]] = t[[700, 3]]
+    tail = t.clone()
+    tail[-1] = -tail[-1]
+    shifted = torch.roll(t, 1)
+    for other in (flipped, swapped, tail, shifted):
+        assert cache.weight_digest(other) != d
+    assert cache.weight_digest(t[::2]) is None  # not contiguous: the caller compares the bits
+
+
+def test_a_data_write_of_one_element_reaches_the_master():
+    """MasterWeights' check (a digest after each write-back) sees a write through `.data` that
+    changes one element and bumps no version counter."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    opt = MasterWeights(torch.optim.SGD, [p], lr=0.0)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    version = p._version
+    p.data[7, 9] = 3.0
+    assert p._version == version
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.masters[0][0][7, 9].item() == 3.0

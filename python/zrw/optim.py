@@ -286,11 +286,13 @@ class MasterWeights(torch.optim.Optimizer):
     def _record_written(self) -> None:
         """After a write-back: each parameter holds bf16 of this optimizer's master, and its
         record says so (what it looks like then, and which master is its value)."""
-        for p, m in self._pairs():
-            local = local_tensor(p)
+        pairs = [(local_tensor(p), local_tensor(m)) for p, m in self._pairs()]
+        states = cache.cache_states([p for p, _ in pairs]) if pairs else []
+        for (local, m), st in zip(pairs, states):
             rec = record_of(local)
             rec.written = cache.weight_signature(local)
-            rec.current = weakref.ref(local_tensor(m))
+            rec.digest = None if st.released else cache.weight_digest(local)
+            rec.current = weakref.ref(m)
             rec.hold = False  # its write was read: it may be released again
 
     def _sync_masters(self) -> int:
@@ -309,6 +311,8 @@ class MasterWeights(torch.optim.Optimizer):
                     if current is not None and current is not m:
                         # Another optimizer wrote it back last: its value is that master's.
                         n += cache.take_into_master(m, current.to(p.dtype))
+                    continue
+                if cache.unchanged_since_write_back(p, rec, m):
                     continue
                 if p.shape != m.shape:
                     raise RuntimeError(

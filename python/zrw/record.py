@@ -43,6 +43,8 @@ class WeightRecord:
               weight, the one that did not write last takes this value before it steps
     written   the weight's signature (version, dtype, device, shape) right after that
               write-back: a write since then changes it (or, through `.data`, its bits)
+    digest    a 64-bit digest of its bytes right after that write-back (zrw.cache.weight_digest),
+              or None: a write through `.data` bumps no version, but changes the digest
     hold      restored for a write (apply, a cast) that the next write-back must read: not
               released again until then
     tied      the qualified names of the modules that share the weight (tied after convert),
@@ -62,6 +64,7 @@ class WeightRecord:
         field(default_factory=list)
     current: Optional["weakref.ref[torch.Tensor]"] = None
     written: Optional[tuple] = None
+    digest: Optional[int] = None
     hold: bool = False
     tied: Optional[Tuple[str, ...]] = None
     prepared: bool = False

@@ -6,7 +6,8 @@ times:
   - quant_and_release on a miss (lookup, quantize, insert, free + poison the BF16 storage), and
     on a miss with release=False (the cache alone, no release);
   - quant_and_release on a hit (every later use of the weight in the step);
-and reports the miss and the hit as ratios of the bare quantization. Between two timed misses
+and reports the miss and the hit as ratios of the bare quantization. Last, MasterWeights' check
+for writes that bypass it, as a share of its step (`run_write_check`). Between two timed misses
 the weight is restored by dequantization (untimed), so every miss reads realistic values.
 
 Then it trains a small MLP (nn.Linear weights used through zrw.nn.mx_linear, a few microbatches
@@ -134,8 +135,57 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
 BOUNDARIES = ("bf16-free", "master", "dequant")
 
 
+def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
+    """MasterWeights' check for writes that bypass it (a `.data` write bumps no version), as a
+    share of a MasterWeights(AdamW) step over `params` unreleased bf16 parameters of dim x dim
+    (embeddings, norms and heads are never released): the digest of each parameter after the
+    write-back plus the check before the next step, against the full bit comparison of every
+    parameter with its master (what the check did before issue 28). Two optimizers over two
+    equal sets of parameters, one per mode, stepped in turn in one run; best step of each."""
+    g = torch.Generator().manual_seed(0)
+    sets = {mode: [torch.nn.Parameter(torch.randn(dim, dim, generator=g).to(BF16))
+                   for _ in range(params)] for mode in ("digest", "bit comparison")}
+    compared = {id(p) for p in sets["bit comparison"]}
+    grads = [torch.full((dim, dim), 1e-3, dtype=BF16) for _ in range(params)]
+    opts = {mode: MasterWeights(torch.optim.AdamW, ps, lr=1e-3) for mode, ps in sets.items()}
+    spent = {"check": 0.0}
+    real_sync, real_record = MasterWeights._sync_masters, MasterWeights._record_written
+    real_digest = cache.weight_digest
+
+    def timed(fn):
+        def run_it(self):
+            t0 = time.perf_counter()
+            try:
+                return fn(self)
+            finally:
+                spent["check"] += time.perf_counter() - t0
+        return run_it
+
+    best = {}
+    try:
+        MasterWeights._sync_masters = timed(real_sync)
+        MasterWeights._record_written = timed(real_record)
+        cache.weight_digest = lambda p: None if id(p) in compared else real_digest(p)
+        for i in range(steps + 1):
+            for mode, opt in opts.items():
+                for p, gr in zip(sets[mode], grads):
+                    p.grad = gr
+                spent["check"] = 0.0
+                t0 = time.perf_counter()
+                opt.step()
+                total = time.perf_counter() - t0
+                if i and (mode not in best or total < best[mode][0]):
+                    best[mode] = (total, spent["check"])
+    finally:
+        MasterWeights._sync_masters, MasterWeights._record_written = real_sync, real_record
+        cache.weight_digest = real_digest
+    return {"params": params, "dim": dim,
+            "modes": {m: {"step_ms": t * 1e3, "check_ms": c * 1e3, "fraction": c / t}
+                      for m, (t, c) in best.items()}}
+
+
 def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens=32,
-        micro=4, steps=3) -> dict:
+        micro=4, steps=3, check_params=16, check_dim=1024) -> dict:
     cache.cache_clear()
     out = {
         "threads": torch.get_num_threads(),
@@ -150,6 +200,7 @@ def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens
         out["op"][recipe] = {f"{n}x{k}": time_op((n, k), recipe, repeat) for n, k in sizes}
         out["step"][recipe] = {b: time_step(recipe, dim, layers, tokens, micro, steps, b)
                                for b in BOUNDARIES}
+    out["write_check"] = run_write_check(check_params, check_dim)
     return out
 
 
@@ -164,10 +215,15 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens per microbatch")
     p.add_argument("--micro", type=int, default=4, help="microbatches per step")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    p.add_argument("--check-params", type=int, default=16,
+                   help="parameters of the write check's optimizer step")
+    p.add_argument("--check-dim", type=int, default=1024,
+                   help="each is check-dim x check-dim bf16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
-    r = run(sizes, args.repeat, args.dim, args.layers, args.tokens, args.micro, args.steps)
+    r = run(sizes, args.repeat, args.dim, args.layers, args.tokens, args.micro, args.steps,
+            args.check_params, args.check_dim)
     if args.json:
         print(json.dumps(r))
         return
@@ -192,6 +248,15 @@ def main(argv=None) -> None:
             for recipe, by_fill in r["step"].items() for fill, s in by_fill.items()]
     print_table("", ["recipe", "boundary", "step ms", "restore ms", "of step",
                      "released bytes"], rows)
+    wc = r["write_check"]
+    print(f"\nMasterWeights' check for writes that bypass it, {wc['params']} unreleased bf16 "
+          f"parameters of {wc['dim']}x{wc['dim']}, MasterWeights(AdamW) step (issue 28's "
+          "target: at most 5% of the step)")
+    print_table("", ["check", "step ms", "check ms", "of step"],
+                [[m, v["step_ms"], v["check_ms"], f"{100 * v['fraction']:.3g}%"]
+                 for m, v in wc["modes"].items()])
+    print("  (digest: a 64-bit digest of each parameter after the write-back, compared before "
+          "the next step; bit comparison: every parameter against its master, as before)")
     print("  (bf16-free: MasterWeights' write-back keeps the weights released, the next miss "
           "quantizes from the FP32 master; master: MasterWeights(keep_released=False) writes "
           "bf16 of every FP32 master into fresh bytes; dequant: AdamW's own weights filled from "
