@@ -183,14 +183,9 @@ def quant_and_release(
     the DTensor's flag for it.
     """
     if torch.compiler.is_compiling():  # (dynamo: a graph break, with EAGER_ONLY's reason)
-        return _eager_quant_and_release(w, recipe, release, release_frozen, elem_dtype,
-                                        scale_mode, name, require_owner, trainable)
-    return _quant_and_release(w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
-                              require_owner, trainable)
-
-
-def _quant_and_release(w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
-                       require_owner, trainable) -> MXWeight:
+        return _eager_quant_and_release(
+            w, recipe, release, release_frozen=release_frozen, elem_dtype=elem_dtype,
+            scale_mode=scale_mode, name=name, require_owner=require_owner, trainable=trainable)
     op = "zrw.cache.quant_and_release"
     if trainable is None:
         trainable = w.requires_grad if isinstance(w, Tensor) else False
@@ -232,7 +227,7 @@ def _quant_and_release(w, recipe, release, release_frozen, elem_dtype, scale_mod
     if grad and trainable and (require_owner or not release):
         release = _training_use(op, w, rec, release, name)
     # Under no_grad nothing is released and the guard never asks: the weight's own flag.
-    tensors = torch.ops.zrw.quant_and_release(
+    tensors = torch.ops.zrw.quant_and_release.default(
         w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
         trainable if grad else w.requires_grad)
     return MXWeight.from_tensors(recipe, tensors)
@@ -250,7 +245,7 @@ def _training_use(op: str, w: Tensor, rec, release: bool, name: str) -> bool:
     - held (restored for a write the next write-back reads) or tied: cached, not released;
     - else, at its first use in a step: its master takes what was written since the last
       write-back (_sync_before_release)."""
-    state = _STATES[torch.ops.zrw.cache_state(w)]
+    state = _STATES[torch.ops.zrw.cache_state.default(w)]
     if state is CacheState.RELEASED_FOR_GOOD:
         _unfreeze(op, w, rec, name)
         state = CacheState.NONE
@@ -289,9 +284,13 @@ def _unfreeze(op: str, w: Tensor, rec, name: str) -> None:
     torch.ops.zrw.restore(w, "master", master)
 
 
-# The stateful lookup, never traced: torch.compile breaks the graph here (the public
-# quant_and_release sends dynamo to it; eager calls skip the wrapper's cost).
-_eager_quant_and_release = torch._dynamo.disable(_quant_and_release, reason=EAGER_ONLY)
+def _quant_and_release_eagerly(*args, **kwargs) -> MXWeight:
+    return quant_and_release(*args, **kwargs)
+
+
+# The stateful lookup, never traced: torch.compile breaks the graph here (quant_and_release
+# sends dynamo to it; eager calls skip the wrapper's cost).
+_eager_quant_and_release = torch._dynamo.disable(_quant_and_release_eagerly, reason=EAGER_ONLY)
 
 
 _unowned_warned = False

@@ -67,7 +67,7 @@ def mx_quantize(
     saturated. Zero blocks get scale 0x00, blocks holding NaN or Inf get 0xFF.
     """
     _check_types(_QUANTIZE, x, dim, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize(x, dim, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize.default(x, dim, elem_dtype, scale_mode)
 
 
 def mx_quantize_dual(
@@ -81,7 +81,7 @@ def mx_quantize_dual(
     uses data_bwd.t(). Equal to mx_quantize(w, -1) and mx_quantize(w, -2).
     """
     _check_types(_QUANTIZE_DUAL, w, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize_dual(w, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_dual.default(w, elem_dtype, scale_mode)
 
 
 def mx_quantize_block(
@@ -94,7 +94,7 @@ def mx_quantize_block(
     the GEMMs use are expand_block_scale(block_scale, w.shape, dim).
     """
     _check_types(_QUANTIZE_BLOCK, w, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize_block(w, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_block.default(w, elem_dtype, scale_mode)
 
 
 # Quantization straight from an FP32 master weight (DESIGN.md §5, the BF16-free optimizer step):
@@ -118,7 +118,8 @@ def mx_quantize_from_master(
     byte the outputs of mx_quantize on the rounded tensor.
     """
     _check_types(_QUANTIZE_FROM_MASTER, master, dim, param_dtype, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize_from_master(master, dim, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_from_master.default(
+        master, dim, param_dtype, elem_dtype, scale_mode)
 
 
 def mx_quantize_dual_from_master(
@@ -134,7 +135,8 @@ def mx_quantize_dual_from_master(
     Byte for byte mx_quantize_dual of the rounded weight.
     """
     _check_types(_QUANTIZE_DUAL_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize_dual_from_master(master, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_dual_from_master.default(
+        master, param_dtype, elem_dtype, scale_mode)
 
 
 def mx_quantize_block_from_master(
@@ -150,7 +152,8 @@ def mx_quantize_block_from_master(
     rounded weight.
     """
     _check_types(_QUANTIZE_BLOCK_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
-    return torch.ops.zrw.mx_quantize_block_from_master(master, param_dtype, elem_dtype, scale_mode)
+    return torch.ops.zrw.mx_quantize_block_from_master.default(
+        master, param_dtype, elem_dtype, scale_mode)
 
 
 def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:
@@ -183,7 +186,7 @@ def mx_expand_block_scale(block_scale: Tensor, n: int, k: int, dim: int) -> Tens
     """expand_block_scale for a weight with `n` rows and `k` columns (the op's own signature;
     block_scale's leading dims are the weight's). The native cache expands with this op too."""
     _check_types(_EXPAND_BLOCK_SCALE, block_scale, n, k, dim)
-    return torch.ops.zrw.mx_expand_block_scale(block_scale, n, k, dim)
+    return torch.ops.zrw.mx_expand_block_scale.default(block_scale, n, k, dim)
 
 
 def mx_dequantize(
@@ -195,7 +198,7 @@ def mx_dequantize(
     and cast to out_dtype (bf16, fp16, fp32); a 0xFF scale gives NaN for its whole block.
     """
     _check_types(_DEQUANTIZE, data, scale, dim, out_dtype)
-    return torch.ops.zrw.mx_dequantize(data, scale, dim, out_dtype)
+    return torch.ops.zrw.mx_dequantize.default(data, scale, dim, out_dtype)
 
 
 def mx_matmul(
@@ -221,7 +224,7 @@ def mx_matmul(
     naming K: split the product along K). A hardware MX GEMM where the backend has one.
     """
     _check_types(_MATMUL, a, a_scale, b, b_scale, out_dtype)
-    return torch.ops.zrw.mx_matmul(a, a_scale, b, b_scale, out_dtype)
+    return torch.ops.zrw.mx_matmul.default(a, a_scale, b, b_scale, out_dtype)
 
 
 def matmul_workspace_bytes() -> int:
