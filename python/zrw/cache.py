@@ -321,8 +321,6 @@ def _sync_before_release(w: Tensor, rec) -> None:
     load_state_dict, an apply, a write through `.data` between steps): its master takes the
     written value now (take_into_master), since nothing can read the weight once it is
     released (MasterWeights reads the unreleased ones at its step)."""
-    if rec.written is None:
-        return
     master = rec.master()
     if master is None or master.shape != w.shape:
         return  # (MasterWeights' step names a change of shape)

@@ -563,7 +563,12 @@ class MasterWeights(torch.optim.Optimizer):
         if "inner" not in state:
             return  # (a torch-style state without the masters: nothing of zrw's to set up)
         self._register_masters()
-        self._record_written()
+        # The copied parameters hold what the originals held, which may include a write their
+        # masters have not taken yet: the copy's first check compares them exactly.
+        for p, m in self._pairs():
+            rec = record_of(local_tensor(p))
+            rec.current = weakref.ref(local_tensor(m))
+            rec.written = rec.digest = None
         if boundary is not None:
             attach(self, boundary[0])
 
