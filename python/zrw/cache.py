@@ -226,6 +226,11 @@ def quant_and_release(
     grad = torch.is_grad_enabled()
     if grad and trainable and (require_owner or not release):
         release = _training_use(op, w, rec, release, name)
+    elif grad and release and release_frozen and not trainable and rec.masters:
+        # A frozen weight about to be released for good: its master (an optimizer keeps one)
+        # takes what was written since the last write-back first, as for a trainable weight.
+        if _STATES[torch.ops.zrw.cache_state.default(w)] is CacheState.NONE:
+            _sync_before_release(w, rec)
     # Under no_grad nothing is released and the guard never asks: the weight's own flag.
     tensors = torch.ops.zrw.quant_and_release.default(
         w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
