@@ -25,8 +25,8 @@ gradients) at a few steps of every MXFP8 mode. A difference whose per-seed value
 have the same sign is reported as within the seed spread: the seeds do not agree on it.
 
 Settings: `--setting tiny` (a test: seconds), `default` (2 seeds, under 10 minutes on 2 cores),
-`long` (3 seeds and 5x the tokens: the figures in docs/accuracy.md; about an hour on one core of
-the machine named there). Any option given overrides the setting's value.
+`long` (3 seeds, 250 steps: ~4x the tokens; the figures in docs/accuracy.md, about an hour on one
+core of the machine named there). Any option given overrides the setting's value.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ class AccuracyConfig:
     max_grad_norm: float = 1.0
     heldout_percent: int = 10    # files whose path hashes into this percentage are held out
     tokenizer_bytes: int = 4_000_000
+    heldout_bytes: int = 4_000_000  # held-out text the evaluation windows are spread over
     eval_seqs: int = 32
     eval_every: int = 20
     telemetry_at: List[int] = field(default_factory=list)  # steps; empty: first, middle, last
@@ -83,9 +84,9 @@ class AccuracyConfig:
 
 SETTINGS = {
     "tiny": dict(hidden=64, layers=1, seq=64, batch=2, steps=4, seeds=[0], vocab=384,
-                 tokenizer_bytes=150_000, eval_seqs=4, eval_every=2),
+                 tokenizer_bytes=150_000, heldout_bytes=200_000, eval_seqs=4, eval_every=2),
     "default": dict(),
-    "long": dict(steps=300, seeds=[0, 1, 2], eval_every=50, eval_seqs=64, release_off=None),
+    "long": dict(steps=250, seeds=[0, 1, 2], eval_every=25, eval_seqs=64, release_off=None),
 }
 
 
@@ -153,6 +154,30 @@ def token_windows(tok, files, n_windows: int, seq: int) -> torch.Tensor:
     return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq)
 
 
+def spread_windows(tok, files, n_windows: int, seq: int, max_bytes: int) -> tuple:
+    """(n_windows, seq) token ids taken at evenly spaced places of the files' token stream (the
+    files up to max_bytes of text), so that a held-out set of a few windows still spans many
+    files; and the number of files read."""
+    eot = tok.token_to_id("<|endoftext|>")
+    ids: List[int] = []
+    used, total = 0, 0
+    for _, path in files:
+        if total >= max_bytes:
+            break
+        text = _read(path)
+        total += len(text)
+        used += 1
+        ids.extend(tok.encode(text).ids)
+        ids.append(eot)
+    available = len(ids) // seq
+    if available < n_windows:
+        raise ValueError(f"zrw.bench.accuracy: the held-out files hold {available} windows of "
+                         f"{seq} tokens, fewer than the {n_windows} asked for")
+    stream = torch.tensor(ids[:available * seq], dtype=torch.long).view(available, seq)
+    picks = torch.linspace(0, available - 1, n_windows).round().long()
+    return stream[picks], used
+
+
 @dataclass
 class Corpus:
     train: torch.Tensor       # (steps * batch, seq), in file order; each seed permutes it
@@ -166,11 +191,13 @@ def build_corpus(c: AccuracyConfig) -> Corpus:
     train_files, heldout_files = split_files(files, c.heldout_percent)
     tok = train_tokenizer(train_files, c.vocab, c.tokenizer_bytes)
     train = token_windows(tok, train_files, c.steps * c.batch, c.seq)
-    heldout = token_windows(tok, heldout_files, c.eval_seqs, c.seq)
+    heldout, heldout_used = spread_windows(tok, heldout_files, c.eval_seqs, c.seq,
+                                           c.heldout_bytes)
     info = {"source": sysconfig.get_paths()["stdlib"], "files": len(files),
             "train_files": len(train_files), "heldout_files": len(heldout_files),
             "train_bytes": sum(os.path.getsize(p) for _, p in train_files),
             "heldout_bytes": sum(os.path.getsize(p) for _, p in heldout_files),
+            "heldout_files_sampled": heldout_used,
             "vocab": tok.get_vocab_size(), "train_tokens": train.numel(),
             "heldout_tokens": heldout.numel(), "seconds": time.perf_counter() - t0}
     return Corpus(train, heldout, info)
