@@ -26,10 +26,14 @@ def test_split_is_by_file_and_fixed():
 def test_spread_says_when_seeds_disagree():
     s = accuracy.spread([0.5, -0.2, 0.1])
     assert not s["resolved"] and "within the seed spread" in accuracy.verdict(s, "x")
+    # same sign in every seed is not enough: the mean must clear its 95% interval (t, 2 dof)
     s = accuracy.spread([0.5, 0.2, 0.1])
-    assert s["resolved"] and s["mean"] == pytest.approx(0.8 / 3)
+    assert s["mean"] == pytest.approx(0.8 / 3)
     assert s["std"] == pytest.approx(0.2081665999, rel=1e-6)
-    assert "above in every seed" in accuracy.verdict(s, "x")
+    assert s["ci95"] == pytest.approx(4.303 * s["std"] / 3 ** 0.5)
+    assert not s["resolved"] and "within the seed spread" in accuracy.verdict(s, "x")
+    s = accuracy.spread([1.0, 1.1, 0.9])
+    assert s["resolved"] and "above beyond the seed spread" in accuracy.verdict(s, "x")
     assert "one seed decides nothing" in accuracy.verdict(accuracy.spread([1.0]), "x")
 
 

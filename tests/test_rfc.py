@@ -1,6 +1,9 @@
 """The RFC's interface, name for name (zrw.rfc; table in docs/rfc.md): each name called as the
 RFC's own examples call it ("调用参考代码"), with values checked against zrw.reference."""
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -155,3 +158,17 @@ def test_quantize_config_applied_by_the_model_converter():
     assert convert_model(skip, QuantizeConfig(skip="2")).converted == ["0"]
     with pytest.raises(TypeError, match="QuantizeConfig"):
         convert_model(_model(), "mxfp8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+def test_functional_acceptance_example(recipe):
+    """examples/rfc_functional.py, the RFC's functional acceptance: loads the config, trains a
+    Qwen3 with the RFC's names, release on and off give the same losses."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "rfc_functional.py"),
+                          recipe], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "release on vs off, losses bit for bit: True" in out.stdout
+    assert f"one FP8 copy: {recipe == 'mxfp8-32x32'}" in out.stdout

@@ -21,8 +21,9 @@ final held-out loss of each mode and its gap to the baseline in percent, as mean
 standard deviation, min and max over seeds; the paired differences floor - rceil and
 mxfp8-32x32 - mxfp8 (same seed, same data); and per-layer numerics telemetry
 (zrw.telemetry: SQNR dB, saturated and flushed-to-zero fractions of weights, activations and
-gradients) at a few steps of every MXFP8 mode. A difference whose per-seed values do not all
-have the same sign is reported as within the seed spread: the seeds do not agree on it.
+gradients) at a few steps of every MXFP8 mode. Each difference comes with the 95% confidence
+interval of its mean over the seeds (Student's t); one whose interval holds zero is reported as
+within the seed spread: the seeds do not tell it from noise.
 
 Settings: `--setting tiny` (a test: seconds), `default` (2 seeds, under 10 minutes on 2 cores),
 `long` (3 seeds, 250 steps: ~4x the tokens; the figures in docs/accuracy.md, about an hour on one
@@ -294,15 +295,21 @@ def train_one(c: AccuracyConfig, corpus: Corpus, seed: int, mode: str, release: 
 
 # ---- statistics ------------------------------------------------------------------------------
 
+# Two-sided 95% quantiles of Student's t with 1..10 degrees of freedom (then ~2).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
 def spread(values: List[float]) -> dict:
-    """mean, sample standard deviation (0 for one value), min, max, n, and whether every value
-    has the same sign (`resolved`: otherwise the difference is within the seed spread)."""
+    """mean, sample standard deviation (0 for one value), min, max, n, the half-width of the
+    95% confidence interval of the mean (Student's t over the seeds) and `resolved`: whether
+    that interval excludes zero (otherwise the difference is within the seed spread)."""
     n = len(values)
     mean = sum(values) / n
     std = statistics.stdev(values) if n > 1 else 0.0
-    resolved = n > 1 and (all(v > 0 for v in values) or all(v < 0 for v in values))
+    ci95 = (_T95[n - 2] if n - 2 < len(_T95) else 2.0) * std / math.sqrt(n) if n > 1 else math.inf
+    resolved = n > 1 and abs(mean) > ci95
     return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n,
-            "values": list(values), "resolved": resolved}
+            "ci95": ci95, "values": list(values), "resolved": resolved}
 
 
 def verdict(s: dict, what: str, unit: str = "%") -> str:
@@ -311,9 +318,10 @@ def verdict(s: dict, what: str, unit: str = "%") -> str:
             f"{s['max']:+.2f}, {s['n']} seed{'s' if s['n'] != 1 else ''})")
     if s["n"] < 2:
         return body + "; one seed decides nothing"
+    ci = f"95% CI of the mean +-{s['ci95']:.2f}"
     if s["resolved"]:
-        return body + ("; above in every seed" if s["mean"] > 0 else "; below in every seed")
-    return body + "; within the seed spread (the seeds disagree on the sign)"
+        return body + f"; {'above' if s['mean'] > 0 else 'below'} beyond the seed spread ({ci})"
+    return body + f"; within the seed spread ({ci} includes 0)"
 
 
 def summarize(c: AccuracyConfig, runs: List[dict]) -> dict:
@@ -342,6 +350,22 @@ def summarize(c: AccuracyConfig, runs: List[dict]) -> dict:
            for r, v in out["floor_minus_rceil_points"].items()]
         + [verdict(v, f"{s}: mxfp8-32x32 minus mxfp8 gap", " points")
            for s, v in out["block32x32_minus_1x32_points"].items()])
+    # Telemetry at each checkpoint, pooled over layers, averaged over seeds.
+    tel: Dict[str, Dict[str, Dict[str, dict]]] = {}
+    for r in runs:
+        if not r["release"]:
+            continue
+        for snap in r["telemetry"]:
+            for x in snap["summary"]:
+                cell = tel.setdefault(r["mode"], {}).setdefault(str(snap["step"]), {}).setdefault(
+                    x["tensor"], {"sqnr_db": [], "saturated": [], "flushed": [],
+                                  "min_sqnr_db": []})
+                for k in cell:
+                    cell[k].append(x[k])
+    out["telemetry"] = {m: {step: {t: {k: sum(v) / len(v) for k, v in cell.items()}
+                                   for t, cell in tensors.items()}
+                            for step, tensors in steps.items()}
+                        for m, steps in tel.items()}
     offs = [r for r in runs if not r["release"]]
     checks = []
     for off in offs:
@@ -409,15 +433,15 @@ def print_report(r: dict) -> None:
         same = chk["train_loss_bitwise_equal"] and chk["heldout_bitwise_equal"]
         print(f"  release on vs off ({chk['mode']}, seed {chk['seed']}): "
               f"{'identical, bit for bit' if same else 'DIFFERENT'}")
-    first = r["config"]["seeds"][0]
-    print(f"  telemetry (seed {first}, pooled over layers): SQNR dB / saturated / flushed")
-    for run in r["runs"]:
-        if run["seed"] != first or not run["release"] or not run["telemetry"]:
-            continue
-        for snap in run["telemetry"]:
-            cells = [f"{x['tensor']} {x['sqnr_db']:.1f}/{x['saturated']:.1e}/{x['flushed']:.1e}"
-                     for x in snap["summary"]]
-            print(f"    {run['mode']:<18} step {snap['step']:>4}: " + ", ".join(cells))
+    print(f"  telemetry, pooled over layers, mean over seeds {c['seeds']}: SQNR dB, saturated and "
+          "flushed-to-zero fractions")
+    rows = [["mode", "step", "tensor", "SQNR dB", "worst layer dB", "saturated", "flushed"]]
+    for m, steps in s.get("telemetry", {}).items():
+        for step, tensors in steps.items():
+            for t, v in tensors.items():
+                rows.append([m, step, t, f"{v['sqnr_db']:.2f}", f"{v['min_sqnr_db']:.2f}",
+                             f"{v['saturated']:.2e}", f"{v['flushed']:.2e}"])
+    _print_rows(rows)
 
 
 def plot(r: dict, path: str) -> None:
@@ -527,6 +551,8 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default=None, help=f"comma-separated, among {','.join(MX_MODES)}")
     p.add_argument("--release-off", default=None,
                    help="an MXFP8 mode to train with release off too, or 'none'")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="re-read an accuracy.json: summarize, plot and print it again")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -552,9 +578,15 @@ def main(argv=None) -> None:
     def progress(msg: str) -> None:
         print("\r" + msg.ljust(70), end="", file=sys.stderr, flush=True)
 
-    r = run(c, None if a.no_progress or a.json else progress)
-    if not (a.no_progress or a.json):
-        print(file=sys.stderr)
+    if a.from_json:
+        with open(a.from_json) as fh:
+            r = json.load(fh)
+        c = AccuracyConfig(**{**r["config"], "out": c.out})
+        r["summary"] = summarize(c, r["runs"])
+    else:
+        r = run(c, None if a.no_progress or a.json else progress)
+        if not (a.no_progress or a.json):
+            print(file=sys.stderr)
     os.makedirs(c.out, exist_ok=True)
     png = os.path.join(c.out, "accuracy.png")
     plot(r, png)
