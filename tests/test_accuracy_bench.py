@@ -86,3 +86,23 @@ def test_bench_accuracy_tiny(tmp_path):
                 assert x["saturated"] == 0  # rceil fits every block's largest value
         layers = {x["layer"] for x in snaps[-1]["layers"]}
         assert len(layers) == 7 * c["layers"]  # q, k, v, o, gate, up, down per decoder layer
+
+
+def test_results_of_other_seeds_merge(tmp_path):
+    def result(seeds, steps=10):
+        return {"config": {"seeds": seeds, "steps": steps, "out": "x"},
+                "corpus": {"train_tokens": 100},
+                "runs": [{"seed": s, "mode": "baseline"} for s in seeds]}
+
+    paths = []
+    for i, r in enumerate([result([0, 1]), result([2]), result([1]), result([3], steps=20)]):
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as fh:
+            json.dump(r, fh)
+    merged = accuracy.merge_results(paths[:2])
+    assert merged["config"]["seeds"] == [0, 1, 2]
+    assert [x["seed"] for x in merged["runs"]] == [0, 1, 2]
+    with pytest.raises(ValueError, match="repeats seeds"):
+        accuracy.merge_results([paths[0], paths[2]])
+    with pytest.raises(ValueError, match="other settings"):
+        accuracy.merge_results([paths[0], paths[3]])

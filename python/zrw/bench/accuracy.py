@@ -445,6 +445,8 @@ def print_report(r: dict) -> None:
 
 
 def plot(r: dict, path: str) -> None:
+    """Train loss and held-out loss against tokens seen, the held-out gap to the baseline along
+    training, and the final gap per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -456,7 +458,9 @@ def plot(r: dict, path: str) -> None:
               "mxfp8-32x32/floor": "tab:red", "mxfp8-32x32/rceil": "tab:orange"}
     runs = [x for x in r["runs"] if x["release"]]
     modes = list(r["summary"]["final_heldout"])
-    fig, axes = plt.subplots(1, 3, figsize=(19, 5.2))
+    seeds = sorted({x["seed"] for x in runs})
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
+    (ax_train, ax_held), (ax_gap, ax_final) = axes
     window = max(1, c["steps"] // 30)
 
     def smooth(v):
@@ -467,39 +471,54 @@ def plot(r: dict, path: str) -> None:
             out.append(sum(acc) / len(acc))
         return out
 
+    def mean(rows):
+        return [sum(v) / len(v) for v in zip(*rows)]
+
+    by = {(x["seed"], x["mode"]): x for x in runs}
     for m in modes:
-        mr = [x for x in runs if x["mode"] == m]
-        curves = [smooth(x["train_loss"]) for x in mr]
-        mean = [sum(v) / len(v) for v in zip(*curves)]
-        xs = [(i + 1) * tokens_per_step for i in range(len(mean))]
-        axes[0].plot(xs, mean, color=colors.get(m), label=m, linewidth=1.1)
-        ev = [[loss for _, loss in x["heldout"]] for x in mr]
-        ev_mean = [sum(v) / len(v) for v in zip(*ev)]
+        mr = [by[(s, m)] for s in seeds]
+        train = mean([smooth(x["train_loss"]) for x in mr])
+        ax_train.plot([(i + 1) * tokens_per_step for i in range(len(train))], train,
+                      color=colors.get(m), label=m, linewidth=1.1)
         ev_x = [step * tokens_per_step for step, _ in mr[0]["heldout"]]
-        axes[1].plot(ev_x, ev_mean, marker="o", color=colors.get(m), label=m, linewidth=1.1)
-    axes[0].set_title(f"train loss (mean over seeds {c['seeds']}, moving average of {window})")
-    axes[1].set_title("held-out loss (mean over seeds)")
-    for ax in axes[:2]:
+        ax_held.plot(ev_x, mean([[loss for _, loss in x["heldout"]] for x in mr]), marker="o",
+                     markersize=3, color=colors.get(m), label=m, linewidth=1.1)
+        if m == BASELINE:
+            continue
+        gaps = []
+        for s in seeds:
+            base = [loss for _, loss in by[(s, BASELINE)]["heldout"]]
+            gap = [100 * (loss / b - 1) for (_, loss), b in zip(by[(s, m)]["heldout"], base)]
+            gaps.append(gap)
+            ax_gap.plot(ev_x, gap, color=colors.get(m), linewidth=0.6, alpha=0.35)
+        ax_gap.plot(ev_x, mean(gaps), color=colors.get(m), marker="o", markersize=3,
+                    linewidth=1.6, label=m)
+    ax_train.set_title(f"train loss (mean over seeds {seeds}, moving average of {window} steps)")
+    ax_held.set_title(f"held-out loss ({r['corpus']['heldout_tokens']} tokens from "
+                      f"{r['corpus'].get('heldout_files_sampled', '?')} unseen files; mean "
+                      "over seeds)")
+    ax_gap.set_title(f"held-out loss vs {c['baseline'].upper()} along training (%): "
+                     "mean (thick), each seed (thin)")
+    ax_gap.axhline(0, color="black", linewidth=0.8)
+    for ax in (ax_train, ax_held, ax_gap):
         ax.set_xlabel("tokens seen")
-        ax.set_ylabel("loss (nats/token)")
         ax.legend(fontsize=8)
-    lo = min(min(loss for _, loss in x["heldout"][len(x["heldout"]) // 2:]) for x in runs)
-    hi = max(x["heldout"][len(x["heldout"]) // 2][1] for x in runs)
-    if hi > lo:
-        axes[1].set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
-    ax = axes[2]
+    ax_train.set_ylabel("loss (nats/token)")
+    ax_held.set_ylabel("loss (nats/token)")
+    ax_gap.set_ylabel("%")
     gaps = r["summary"]["gap_percent"]
     for i, (m, g) in enumerate(gaps.items()):
-        ax.scatter([i] * len(g["values"]), g["values"], color=colors.get(m), zorder=3)
-        ax.errorbar([i + 0.15], [g["mean"]], yerr=[[g["mean"] - g["min"]], [g["max"] - g["mean"]]],
-                    fmt="D", color=colors.get(m), capsize=4)
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(gaps)))
-    ax.set_xticklabels(list(gaps), rotation=20, fontsize=8)
-    ax.set_ylabel(f"final held-out loss vs {c['baseline'].upper()} (%)")
-    ax.set_title("gap per seed (dots), mean and range (diamond)")
+        ax_final.scatter([i] * len(g["values"]), g["values"], color=colors.get(m), zorder=3)
+        ax_final.errorbar([i + 0.15], [g["mean"]],
+                          yerr=[[g["mean"] - g["min"]], [g["max"] - g["mean"]]], fmt="D",
+                          color=colors.get(m), capsize=4)
+    ax_final.axhline(0, color="black", linewidth=0.8)
+    ax_final.set_xticks(range(len(gaps)))
+    ax_final.set_xticklabels(list(gaps), rotation=15, fontsize=8)
+    ax_final.set_ylabel(f"final held-out loss vs {c['baseline'].upper()} (%)")
+    ax_final.set_title("final gap: each seed (dots), mean and range (diamond, bar)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -536,6 +555,29 @@ def run(c: AccuracyConfig, progress=None) -> dict:
     return {**head, "runs": runs, "summary": summarize(c, runs)}
 
 
+def merge_results(paths: List[str]) -> dict:
+    """The results of several runs of the benchmark with the same settings but other seeds, as
+    one (the first file's machine and corpus; every run's own timings)."""
+    merged = None
+    for path in paths:
+        with open(path) as fh:
+            r = json.load(fh)
+        if merged is None:
+            merged = r
+            continue
+        mine = {k: v for k, v in r["config"].items() if k not in ("seeds", "out")}
+        theirs = {k: v for k, v in merged["config"].items() if k not in ("seeds", "out")}
+        if mine != theirs or r["corpus"]["train_tokens"] != merged["corpus"]["train_tokens"]:
+            raise ValueError(f"zrw.bench.accuracy: {path} was run with other settings than "
+                             f"{paths[0]}; only runs that differ in their seeds merge")
+        seen = set(merged["config"]["seeds"])
+        if seen & set(r["config"]["seeds"]):
+            raise ValueError(f"zrw.bench.accuracy: {path} repeats seeds of the files before it")
+        merged["config"]["seeds"] = merged["config"]["seeds"] + r["config"]["seeds"]
+        merged["runs"] = merged["runs"] + r["runs"]
+    return merged
+
+
 def _int_list(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -558,7 +600,8 @@ def main(argv=None) -> None:
     p.add_argument("--release-off", default=None,
                    help="an MXFP8 mode to train with release off too, or 'none'")
     p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="re-read an accuracy.json: summarize, plot and print it again")
+                   help="re-read accuracy.json files (comma-separated: runs of other seeds "
+                        "with the same settings are merged): summarize, plot and print again")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -585,8 +628,7 @@ def main(argv=None) -> None:
         print("\r" + msg.ljust(70), end="", file=sys.stderr, flush=True)
 
     if a.from_json:
-        with open(a.from_json) as fh:
-            r = json.load(fh)
+        r = merge_results(a.from_json.split(","))
         c = AccuracyConfig(**{**r["config"], "out": c.out})
         r["summary"] = summarize(c, r["runs"])
     else:
