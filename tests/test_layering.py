@@ -34,7 +34,8 @@ LEVELS: Dict[str, int] = {
     "zrw.demo": 13, "zrw.testing": 13,
     "zrw.bench._timing": 14,
     "zrw.bench": 15, "zrw.bench.cache": 15, "zrw.bench.fsdp": 15, "zrw.bench.hf": 15,
-    "zrw.bench.accuracy": 15, "zrw.bench.linear": 15, "zrw.bench.quant": 15, "zrw.bench.seed_2d": 15, "zrw.bench.step": 15,
+    "zrw.bench.accuracy": 15, "zrw.bench.linear": 15, "zrw.bench.quant": 15,
+    "zrw.bench.seed_2d": 15, "zrw.bench.step": 15,
     "zrw.bench.seed": 16,
     "zrw.bench.__main__": 17,
 }

@@ -232,7 +232,8 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
             assert_bitwise(got_t, want_t, f"{gemm} operand {i}")
     assert fwd[4] == BF16 and dgrad[4] == BF16 and wgrad[4] == BF16
 
-    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # a hit: the cached copy
+    q = cache.quant_and_release(layer.weight, recipe, name="probe",
+                                scale_mode=SCALE_MODE)  # a hit: the cached copy
     assert_bitwise(q.fwd.data, wf, "cached fwd data")
     assert_bitwise(q.fwd.scale, sf, "cached fwd scale")
     assert_bitwise(q.bwd.data, wb, "cached bwd data")
@@ -369,7 +370,7 @@ def test_grouped_stack_planes_equal_per_expert_quantization(recipe):
     layer, x, dy = _grouped_case(recipe, counts, seed=30)
     W = layer.weight.detach().clone()
     layer(x, counts).backward(dy)
-    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # hit
+    q = cache.quant_and_release(layer.weight, recipe, name="probe", scale_mode=SCALE_MODE)  # hit
     assert cache.cache_stats()["misses"] == 1
     for e in range(len(counts)):
         wf, sf, wb, sb = ref_weight_planes(W[e], recipe)

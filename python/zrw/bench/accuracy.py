@@ -63,7 +63,7 @@ class AccuracyConfig:
     layers: int = 4
     seq: int = 256
     batch: int = 8
-    steps: int = 60
+    steps: int = 50
     seeds: List[int] = field(default_factory=lambda: [0, 1])
     vocab: int = 4096
     lr: float = 2e-3
@@ -74,7 +74,7 @@ class AccuracyConfig:
     tokenizer_bytes: int = 4_000_000
     heldout_bytes: int = 4_000_000  # held-out text the evaluation windows are spread over
     eval_seqs: int = 32
-    eval_every: int = 20
+    eval_every: int = 25
     telemetry_at: List[int] = field(default_factory=list)  # steps; empty: first, middle, last
     baseline: str = "bf16"       # or "fp32"
     modes: List[str] = field(default_factory=lambda: list(MX_MODES))

@@ -15,8 +15,9 @@ weight_bwd, scale_bwd), with the RFC's target of 20-30% less time. Spawns 2 rank
   * mxfp8-32x32: one FP8 copy and the compact 32x32 block scale per gather.
 Per optimizer step it reports the bytes all-gathered at the process group
 (zrw.testing.count_all_gather_bytes: what each rank receives), the time spent in the all-gather
-calls (each one waited on inside the timing) and the whole step's time, as ratios to bf16 and to
-the original MXFP8 scheme. Times are the best step after the first (which sizes FSDP2's buffers)
+calls (each started after a barrier, so that it is the transfer and not the ranks' skew, and
+waited on inside the timing) and the whole step's time, as ratios to bf16 and to the original
+MXFP8 scheme. Times are the best step after the first (which sizes FSDP2's buffers)
 and the slower rank's. `--dim 5120 --layers 2` runs Qwen3-32B's hidden size (the seed's model).
 """
 from __future__ import annotations
@@ -47,7 +48,12 @@ def _free_port() -> int:
 
 
 class _GatherTimer:
-    """Wall time inside ProcessGroup.all_gather_single / _allgather_base, each call waited on."""
+    """Wall time inside ProcessGroup.all_gather_single / _allgather_base, each call waited on.
+
+    Each call first waits at a barrier of its process group (outside the timing), so that the
+    time is the transfer's, not the wait for a rank that arrives later: at these sizes the ranks'
+    skew would otherwise be most of it. Both ranks make the same calls in the same order, so the
+    extra barriers match; they add the same small cost to every scheme's step time."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -63,6 +69,7 @@ class _GatherTimer:
             self._saved[meth] = orig
 
             def timed(pg, out, inp, *a, _orig=orig, **k):
+                pg.barrier().wait()
                 t0 = time.perf_counter()
                 work = _orig(pg, out, inp, *a, **k)
                 if work is not None:
