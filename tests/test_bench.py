@@ -177,12 +177,20 @@ def test_bench_fsdp_json_counts_exact_bytes():
     r = run_bench("fsdp", "--dim", str(dim), "--layers", str(layers), "--tokens", "32",
                   "--micro-batches", "1", "--steps", "1")
     gathers = 2 * layers
+    # The RFC's original MXFP8 scheme (mxfp8-both-planes) sends both planes in every gather.
     expected = {"bf16": gathers * dim * dim * 2,
+                "mxfp8-both-planes": gathers * 2 * (dim * dim + dim * dim // 32),
                 "mxfp8": gathers * (dim * dim + dim * dim // 32),
                 "mxfp8-32x32": gathers * (dim * dim + (dim // 32) ** 2)}
+    assert set(r["recipes"]) == set(expected)
     for recipe, nbytes in expected.items():
         assert r["recipes"][recipe]["gather_bytes_per_step"] == nbytes, recipe
         assert r["ratio_to_bf16"][recipe]["gather_bytes"] == nbytes / expected["bf16"]
+        assert (r["ratio_to_original_mxfp8"][recipe]["gather_bytes"]
+                == nbytes / expected["mxfp8-both-planes"])
+        for key in ("gather_ms_per_step", "step_ms"):  # times: there, never asserted
+            assert positive(r["recipes"][recipe][key]), (recipe, key)
+    assert r["rfc_target_gather_time_reduction"] == [0.2, 0.3]
 
 
 @pytest.mark.slow

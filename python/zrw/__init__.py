@@ -31,7 +31,7 @@ ops.restore_all = cache.restore_all
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .planes import MXWeight  # noqa: E402,F401
 from .cache import no_release  # noqa: E402,F401
-from . import checkpoint, memory, nn, optim, parallel  # noqa: E402,F401
+from . import checkpoint, memory, nn, optim, parallel, telemetry  # noqa: E402,F401
 from .nn import convert  # noqa: E402,F401
 from .backends import backends  # noqa: E402,F401
 

@@ -42,10 +42,12 @@ def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe
     for name in ("fc1", "fc2"):
         got = z["planes"][name]
         w = initial_weight(f"{name}.weight", args)
+        rcp = zrw.get_recipe(recipe)  # its element format and scale rule
         if recipe == "mxfp8":
-            ref = dict(zip(("fwd_data", "fwd_scale"), zrw.ops.mx_quantize_dual(w)[:2]))
+            ref = dict(zip(("fwd_data", "fwd_scale"),
+                           zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2]))
         else:
-            data, block = zrw.ops.mx_quantize_block(w)
+            data, block = zrw.ops.mx_quantize_block(w, rcp.elem_dtype, rcp.scale_mode)
             ref = {"fwd_data": data, "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
                    "bwd_data": data, "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2)}
         for k, v in ref.items():

@@ -28,7 +28,8 @@ def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
     s = fsdp_runs.single(tmp_path, *args)
 
     # The gathered planes are the recipe's quantization of the full weight, byte for byte (and
-    # not the built-in e4m3/floor recipe's: the comparison can tell them apart).
+    # not the built-in recipe's, e4m3 with its scale rule: the comparison can tell them apart).
+    builtin_mode = zrw.get_recipe(rcp.cache_layout).scale_mode
     for name in ("fc1", "fc2"):
         got = z["planes"][name]
         w = fsdp_runs.initial_weight(f"{name}.weight", args)
@@ -37,11 +38,11 @@ def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
             ref = {"fwd_data": data,
                    "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
                    "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2)}
-            builtin = zrw.ops.mx_quantize_block(w)[0]
+            builtin = zrw.ops.mx_quantize_block(w, torch.float8_e4m3fn, builtin_mode)[0]
         else:
             data, scale = zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2]
             ref = {"fwd_data": data, "fwd_scale": scale}
-            builtin = zrw.ops.mx_quantize_dual(w)[0]
+            builtin = zrw.ops.mx_quantize_dual(w, torch.float8_e4m3fn, builtin_mode)[0]
         assert got["fwd_data"].shape == builtin.shape
         assert not torch.equal(got["fwd_data"], builtin.view(torch.uint8))
         for k, v in ref.items():

@@ -29,6 +29,10 @@ from zrw.nn import MXGroupedLinear, MXLinear
 
 RECIPES = ["mxfp8", "mxfp8-32x32"]
 BF16 = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
+# The layers quantize with their recipe's scale rule (the same for both built-in recipes); the
+# emulation quantizes with it too.
+SCALE_MODE = zrw.get_recipe("mxfp8").scale_mode
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 FP32_U = 2.0**-24
 
@@ -65,8 +69,8 @@ def assert_bitwise(got, want, what):
 def ref_weight_planes(w, recipe):
     """(fwd data, fwd scale, bwd data, bwd scale) of W (N, K) or (E, N, K) per the spec."""
     if recipe == "mxfp8":
-        return ref.mx_quantize_dual(w)
-    data, block = ref.mx_quantize_block(w)
+        return ref.mx_quantize_dual(w, E4M3, SCALE_MODE)
+    data, block = ref.mx_quantize_block(w, E4M3, SCALE_MODE)
     return (data, ref.expand_block_scale(block, w.shape, -1), data,
             ref.expand_block_scale(block, w.shape, -2))
 
@@ -78,10 +82,10 @@ def dq(data, scale, dim):
 def emulate(x2d, w, dy2d, recipe):
     """The dequantized fp32 operands of the three GEMMs, as (a, b) pairs with result a @ b."""
     wf, sf, wb, sb = ref_weight_planes(w, recipe)
-    xk = dq(*ref.mx_quantize(x2d, -1), -1)
-    xm = dq(*ref.mx_quantize(x2d, 0), 0)
-    dyn = dq(*ref.mx_quantize(dy2d, -1), -1)
-    dym = dq(*ref.mx_quantize(dy2d, 0), 0)
+    xk = dq(*ref.mx_quantize(x2d, -1, E4M3, SCALE_MODE), -1)
+    xm = dq(*ref.mx_quantize(x2d, 0, E4M3, SCALE_MODE), 0)
+    dyn = dq(*ref.mx_quantize(dy2d, -1, E4M3, SCALE_MODE), -1)
+    dym = dq(*ref.mx_quantize(dy2d, 0, E4M3, SCALE_MODE), 0)
     return {
         "y": (xk, dq(wf, sf, -1).T),
         "dx": (dyn, dq(wb, sb, -2)),
@@ -214,10 +218,10 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
 
     x2d, dy2d = x.reshape(-1, in_f), dy.reshape(-1, out_f)
     wf, sf, wb, sb = ref_weight_planes(w, recipe)
-    qxk, sxk = ref.mx_quantize(x2d, -1)
-    qxm, sxm = ref.mx_quantize(x2d, 0)
-    qdn, sdn = ref.mx_quantize(dy2d, -1)
-    qdm, sdm = ref.mx_quantize(dy2d, 0)
+    qxk, sxk = ref.mx_quantize(x2d, -1, E4M3, SCALE_MODE)
+    qxm, sxm = ref.mx_quantize(x2d, 0, E4M3, SCALE_MODE)
+    qdn, sdn = ref.mx_quantize(dy2d, -1, E4M3, SCALE_MODE)
+    qdm, sdm = ref.mx_quantize(dy2d, 0, E4M3, SCALE_MODE)
     expected = {
         "forward": (fwd, (qxk, sxk, wf, sf)),
         "dgrad": (dgrad, (qdn, sdn, wb.t(), sb.t())),
@@ -228,7 +232,8 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
             assert_bitwise(got_t, want_t, f"{gemm} operand {i}")
     assert fwd[4] == BF16 and dgrad[4] == BF16 and wgrad[4] == BF16
 
-    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # a hit: the cached copy
+    q = cache.quant_and_release(layer.weight, recipe, name="probe",
+                                scale_mode=SCALE_MODE)  # a hit: the cached copy
     assert_bitwise(q.fwd.data, wf, "cached fwd data")
     assert_bitwise(q.fwd.scale, sf, "cached fwd scale")
     assert_bitwise(q.bwd.data, wb, "cached bwd data")
@@ -240,7 +245,8 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
     if recipe == "mxfp8-32x32":
         assert q.fwd.data is q.bwd.data or q.fwd.data.data_ptr() == q.bwd.data.data_ptr(), (
             "the 32x32 recipe keeps one FP8 copy for both directions")
-        assert_bitwise(q.block_scale, ref.mx_quantize_block(w)[1], "cached block scale")
+        assert_bitwise(q.block_scale, ref.mx_quantize_block(w, E4M3, SCALE_MODE)[1],
+                       "cached block scale")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -262,7 +268,7 @@ def test_mxlinear_saves_fp8_not_bf16(recipe):
     for t in saved:
         assert t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu), (
             f"a {t.dtype} tensor of shape {tuple(t.shape)} was saved for backward")
-    qxm, sxm = ref.mx_quantize(x.detach(), 0)
+    qxm, sxm = ref.mx_quantize(x.detach(), 0, E4M3, SCALE_MODE)
     _, _, wb, sb = ref_weight_planes(w, recipe)
     # Q_M(x)'s scale and W_bwd's scale are both (2, 70) here: match them as a multiset.
     left = list(saved)
@@ -364,7 +370,7 @@ def test_grouped_stack_planes_equal_per_expert_quantization(recipe):
     layer, x, dy = _grouped_case(recipe, counts, seed=30)
     W = layer.weight.detach().clone()
     layer(x, counts).backward(dy)
-    q = cache.quant_and_release(layer.weight, recipe, name="probe")  # hit
+    q = cache.quant_and_release(layer.weight, recipe, name="probe", scale_mode=SCALE_MODE)  # hit
     assert cache.cache_stats()["misses"] == 1
     for e in range(len(counts)):
         wf, sf, wb, sb = ref_weight_planes(W[e], recipe)

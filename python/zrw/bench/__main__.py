@@ -10,6 +10,7 @@ BENCHMARKS = {
     "step": "zrw.bench.step",
     "seed": "zrw.bench.seed",
     "hf": "zrw.bench.hf",
+    "accuracy": "zrw.bench.accuracy",
 }
 
 
