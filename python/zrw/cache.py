@@ -182,7 +182,9 @@ def quant_and_release(
     weight's local shard never requires grad itself (its DTensor does), so zrw.parallel passes
     the DTensor's flag for it.
     """
-    if torch.compiler.is_compiling():  # (dynamo: a graph break, with EAGER_ONLY's reason)
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        # torch.compile: a graph break, with EAGER_ONLY's reason (the copy runs eagerly, where
+        # is_compiling() is False). torch.export is refused below, by name.
         return _eager_quant_and_release(
             w, recipe, release, release_frozen=release_frozen, elem_dtype=elem_dtype,
             scale_mode=scale_mode, name=name, require_owner=require_owner, trainable=trainable)

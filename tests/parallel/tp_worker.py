@@ -195,19 +195,26 @@ def run_case(case, args, world, rank):
                  freeze_head_norms=(engine == "hf"))
     data = batches(args.steps, args.micro)
     main_grad = case.get("main_grad", False)
+    # The runs are compared with the unsharded one, which must route every token to the same
+    # experts: the sharded runs sum in another FP32 order, and with the rceil scale rule (the
+    # recipes' default since issue 29) one near-tie of the MoE router flips a token on step 3
+    # (layer 1: 24/40 tokens against 23/41), after which the runs cannot be compared. The
+    # scale rule is not what this worker tests: its comparisons keep the floor rule, whose
+    # routing agrees.
+    recipe = zrw.get_recipe("mxfp8", scale_mode="floor")
     out = {}
     orders = case.get("orders", ["before"])
     for mode in ("off", "on"):
         for order in orders if mode == "on" else ["before"]:
             model = build(kind, **shape)
             if order == "before":
-                zrw.convert(model, "mxfp8", release=(mode == "on"), main_grad=main_grad)
+                zrw.convert(model, recipe, release=(mode == "on"), main_grad=main_grad)
             if engine == "torch":
                 model = torch_tp(model, world, kind)
             else:
                 model = hf_plan(model, case.get("tp", world), case.get("ep", 1))
             if order == "after":
-                zrw.convert(model, "mxfp8", release=True, main_grad=main_grad)
+                zrw.convert(model, recipe, release=True, main_grad=main_grad)
             summary = zrw.parallel.prepare(model)
             r = train(model, data, record_routing=(kind == "moe"))
             r["prepare"] = {"local_elements": summary.local_elements,
@@ -224,7 +231,7 @@ def run_case(case, args, world, rank):
             del model
     if rank == 0:
         model = build(kind, **shape)
-        zrw.convert(model, "mxfp8", release=True, main_grad=main_grad)
+        zrw.convert(model, recipe, release=True, main_grad=main_grad)
         r = train(model, data, record_routing=(kind == "moe"))
         r["weights"] = {n: full(p) for n, p in model.named_parameters()}
         out["unsharded"] = r
