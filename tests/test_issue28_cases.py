@@ -597,3 +597,30 @@ def test_no_zrw_attribute_is_set_on_torch_objects():
             if re.search(r"(?<![A-Za-z0-9])_zrw_", line):  # not is_zrw_layer
                 hits.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not hits, f"{len(hits)} uses of _zrw_ attributes:\n" + "\n".join(hits[:40])
+
+
+def test_unfreezing_a_weight_released_for_good_without_a_master_is_refused_by_name():
+    """No FP32 master keeps the value of a frozen weight released for good (the optimizer was
+    built over the other parameters only): requiring grad again is refused at its next use,
+    naming the weight, and nothing changes; building an optimizer over it is refused too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    zrw.convert(model, "mxfp8", release=True, release_frozen=True)
+    base = model[0].weight
+    base.requires_grad_(False)
+    opt = zrw.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    assert cache.cache_state(base) is cache.CacheState.RELEASED_FOR_GOOD
+    base.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"weight '0\.weight' was released for good while "
+                                           r"frozen .*no FP32 master"):
+        model(x)
+    assert cache.cache_state(base) is cache.CacheState.RELEASED_FOR_GOOD
+    with pytest.raises(RuntimeError, match=r"MasterWeights: params\[0\] \('0\.weight'.*is "
+                                           r"released and has no FP32 master"):
+        zrw.optim.AdamW([base], lr=1e-2)
+    cache.restore_frozen(model)  # the way out the error names: lossy, then trainable
+    model(x).float().sum().backward()
+    assert base.grad is not None

@@ -128,18 +128,23 @@ _lock = threading.RLock()
 _records = WeakIdKeyDictionary()
 
 
-def record_of(w: torch.Tensor) -> WeightRecord:
-    """w's record, created on first use. `w` is the tensor the cache works on (a DTensor's
-    local shard, never the DTensor)."""
-    rec = _records.get(w)
+def _get_or_add(table: WeakIdKeyDictionary, key, factory):
+    """table[key], created with factory() on first use (under the registry's lock)."""
+    rec = table.get(key)
     if rec is not None:
         return rec
     with _lock:
-        rec = _records.get(w)
+        rec = table.get(key)
         if rec is None:
-            rec = WeightRecord()
-            _records[w] = rec
+            rec = factory()
+            table[key] = rec
         return rec
+
+
+def record_of(w: torch.Tensor) -> WeightRecord:
+    """w's record, created on first use. `w` is the tensor the cache works on (a DTensor's
+    local shard, never the DTensor)."""
+    return _get_or_add(_records, w, WeightRecord)
 
 
 def find_record(w: torch.Tensor) -> Optional[WeightRecord]:
@@ -182,12 +187,7 @@ _optimizers = WeakIdKeyDictionary()
 
 
 def module_record(module) -> ModuleRecord:
-    with _lock:
-        rec = _modules.get(module)
-        if rec is None:
-            rec = ModuleRecord()
-            _modules[module] = rec
-        return rec
+    return _get_or_add(_modules, module, ModuleRecord)
 
 
 def find_module_record(module) -> Optional[ModuleRecord]:
@@ -195,12 +195,7 @@ def find_module_record(module) -> Optional[ModuleRecord]:
 
 
 def optimizer_record(optimizer) -> OptimizerRecord:
-    with _lock:
-        rec = _optimizers.get(optimizer)
-        if rec is None:
-            rec = OptimizerRecord()
-            _optimizers[optimizer] = rec
-        return rec
+    return _get_or_add(_optimizers, optimizer, OptimizerRecord)
 
 
 def find_optimizer_record(optimizer) -> Optional[OptimizerRecord]:
