@@ -348,13 +348,15 @@ def take_into_master(master: Tensor, value: Tensor) -> bool:
     if master.shape != value.shape:
         raise ValueError(f"zrw.cache.take_into_master: value must have the master's shape "
                          f"{tuple(master.shape)}, got {tuple(value.shape)}")
+    if value.dtype == master.dtype:
+        unchanged = torch.equal(master, value)
+    else:
+        unchanged = holds_master(value, master)
+    if unchanged:
+        return False
     with torch.no_grad():
-        if value.dtype == master.dtype or not holds_master(value, master):
-            if value.dtype == master.dtype and torch.equal(master, value):
-                return False
-            master.copy_(value.detach())
-            return True
-    return False
+        master.copy_(value.detach())
+    return True
 
 
 def set_weight_name(w: Tensor, name: str) -> None:

@@ -73,9 +73,6 @@ class WeightRecord:
     main_grad: bool = False
 
     # -- owners and masters ------------------------------------------------------------------
-    def live_owners(self) -> List[Any]:
-        return list(self.owners)
-
     def live_masters(self) -> List[Tuple[Any, torch.Tensor]]:
         """(optimizer or None, master) for each master still alive."""
         out = []
@@ -94,12 +91,6 @@ class WeightRecord:
         live = self.live_masters()
         return live[0][1] if live else None
 
-    def master_for(self, optimizer) -> Optional[torch.Tensor]:
-        for opt, m in self.live_masters():
-            if opt is optimizer:
-                return m
-        return None
-
     def set_master(self, optimizer, master: torch.Tensor) -> None:
         """Register `optimizer`'s master of this weight (one per optimizer: a new one replaces
         the old)."""
@@ -109,14 +100,6 @@ class WeightRecord:
                         and not (o is None and optimizer is None)]
         self.masters.append((None if optimizer is None else weakref.ref(optimizer),
                              weakref.ref(master)))
-
-    def drop_optimizer(self, optimizer) -> None:
-        self.owners.discard(optimizer)
-        self.masters = [(o, m) for o, m in self.masters
-                        if m() is not None and not (o is not None and o() is optimizer)]
-        cur = None if self.current is None else self.current()
-        if cur is not None and not any(m is cur for _, m in self.live_masters()):
-            self.current = None
 
     def owned(self) -> bool:
         """Whether something writes this weight back exactly or restores it at a boundary: an
@@ -188,10 +171,6 @@ _optimizers = WeakIdKeyDictionary()
 
 def module_record(module) -> ModuleRecord:
     return _get_or_add(_modules, module, ModuleRecord)
-
-
-def find_module_record(module) -> Optional[ModuleRecord]:
-    return _modules.get(module)
 
 
 def optimizer_record(optimizer) -> OptimizerRecord:
