@@ -11,6 +11,7 @@
 #include <exception>
 #include <functional>
 
+#include "common/digest.h"
 #include "common/names.h"
 #include "memory/counting_allocator.h"
 #include "mx/mx_cpu_kernels.h"
@@ -50,25 +51,8 @@ PyObject* cpu_free_matmul_workspace(PyObject*, PyObject*) {
   return PyLong_FromLongLong(zrw::cpu::free_matmul_workspace());
 }
 
-// A 64-bit digest of `nbytes` bytes at `addr` (a contiguous CPU tensor's data, read, never
-// written): MasterWeights records it for each parameter it writes back and compares it before
-// the next step, to see writes that bump no version counter (through `.data`) without
-// comparing every parameter with its FP32 master (docs/design.md, "Rules of truth"). Each
-// 8-byte word is mixed with its position (two multiplies, non-linear), so reordered, shifted
-// or rewritten bytes change the digest except with probability ~2^-64. Threads:
-// at::parallel_reduce, without the GIL.
-uint64_t digest_words(const unsigned char* p, int64_t begin, int64_t end) {
-  uint64_t acc = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    uint64_t w;
-    std::memcpy(&w, p + 8 * i, 8);
-    uint64_t h = (w ^ (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ULL)) * 0xff51afd7ed558ccdULL;
-    h ^= h >> 32;
-    acc += h * 0xc4ceb9fe1a85ec53ULL;
-  }
-  return acc;
-}
-
+// The digest (common/digest.h) of `nbytes` bytes at `addr` (a contiguous CPU tensor's data,
+// read, never written). Threads: at::parallel_reduce, without the GIL.
 PyObject* bits_digest(PyObject*, PyObject* args) {
   unsigned long long addr = 0;
   long long nbytes = 0;
@@ -79,18 +63,14 @@ PyObject* bits_digest(PyObject*, PyObject* args) {
     return nullptr;
   }
   const auto* p = reinterpret_cast<const unsigned char*>(addr);
-  const int64_t words = nbytes / 8;
   uint64_t h = 0;
   Py_BEGIN_ALLOW_THREADS
   h = at::parallel_reduce(
-      int64_t{0}, words, int64_t{1} << 15, uint64_t{0},
-      [&](int64_t b, int64_t e, uint64_t acc) { return acc + digest_words(p, b, e); },
+      int64_t{0}, nbytes / 8, int64_t{1} << 15, uint64_t{0},
+      [&](int64_t b, int64_t e, uint64_t acc) { return acc + zrw::digest::words(p, b, e); },
       std::plus<uint64_t>());
   Py_END_ALLOW_THREADS
-  unsigned char tail[8] = {0};
-  std::memcpy(tail, p + 8 * words, static_cast<size_t>(nbytes - 8 * words));
-  h += digest_words(tail, 0, 1) * (static_cast<uint64_t>(words) | 1);
-  h ^= static_cast<uint64_t>(nbytes) * 0x9E3779B97F4A7C15ULL;
+  h = zrw::digest::finish(h, p, nbytes);
   return PyLong_FromUnsignedLongLong(h);
 }
 

@@ -47,7 +47,10 @@ TORCH_LIBRARY(zrw, m) {
   m.def("restore_weights(Tensor[] weights, str fill, Tensor?[] sources) -> int");
   // keep_released: a released weight stays released and takes its source (an FP32 master) as the
   // values its next quantization reads (the BF16-free optimizer step).
-  m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False) -> int");
+  // digests: where given, each weight written in place gets the digest of its new bytes
+  // (MasterWeights' write check, docs/design.md "Rules of truth").
+  m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False,"
+        " Tensor(a!)? digests=None) -> int");
   // The FP32 master a released weight's entry holds (keep_released), or None.
   m.def("cache_master(Tensor w) -> Tensor?");
   // skip: weights left as they are (zrw.cache.restore_all("master") passes those whose

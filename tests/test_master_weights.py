@@ -263,6 +263,55 @@ def test_the_write_digest_sees_every_kind_of_change():
     assert cache.weight_digest(t[::2]) is None  # not contiguous: the caller compares the bits
 
 
+def test_the_digest_is_the_same_in_every_isa_build():
+    """The digest loop is compiled per instruction set (csrc/common/digest.cpp): every build
+    this CPU runs, forced with ZRW_CPU_ISA in its own process, gives the same digests, for
+    lengths that end inside an 8-byte word and past the threads' chunks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch, zrw\n"
+        "from zrw import cache\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "t = torch.randint(0, 256, (3 * 2**19 + 5,), dtype=torch.uint8, generator=g)\n"
+        "print(json.dumps([zrw._C.cpu_isa()] + [cache.weight_digest(t[:n]) for n in "
+        "(0, 1, 7, 8, 9, 1001, 2**18 + 3, t.numel())]))\n")
+    seen = {}
+    for isa in ("avx512", "avx2", "base"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(os.environ, ZRW_CPU_ISA=isa))
+        if r.returncode != 0:
+            assert "ZRW_CPU_ISA" in r.stderr, r.stderr  # a build this CPU cannot run
+            continue
+        ran, *digests = json.loads(r.stdout.strip().splitlines()[-1])
+        assert ran == isa
+        seen[isa] = digests
+    assert "base" in seen
+    assert all(d == seen["base"] for d in seen.values()), seen
+
+
+def test_the_write_back_digest_is_the_digest_of_what_it_wrote():
+    """MasterWeights' write-back takes each unreleased parameter's digest as it writes it
+    (cache.write_back, chunk by chunk): the same value weight_digest reads afterwards, for
+    parameters of one chunk, several chunks, and a length that ends inside a word."""
+    from zrw import cache
+
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.zeros(n, dtype=torch.bfloat16) for n in (3, 1001, 3 * 2**17 + 1)]
+    ps.append(torch.zeros(8, 9, dtype=torch.float16))
+    ms = [torch.randn(p.shape, generator=g) for p in ps]
+    digests = cache.write_back(ps, ms, False)
+    for p, m, d in zip(ps, ms, digests):
+        assert torch.equal(p, m.to(p.dtype))
+        assert d == cache.weight_digest(p)
+    strided = torch.zeros(8, 8, dtype=torch.bfloat16).t()
+    assert cache.write_back([strided], [torch.ones(8, 8)], False) == [None]
+    assert torch.equal(strided, torch.ones(8, 8, dtype=torch.bfloat16))
+
+
 def test_a_data_write_of_one_element_reaches_the_master():
     """MasterWeights' check (a digest after each write-back) sees a write through `.data` that
     changes one element and bumps no version counter."""

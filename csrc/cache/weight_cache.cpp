@@ -27,6 +27,7 @@
 // The kernels are registered for CompositeExplicitAutograd: quantization is called through the
 // dispatcher, so the cache works for any device that has the zrw quantization kernels.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
@@ -45,6 +46,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/digest.h"
 #include "../common/names.h"
 #include "../mx/mx_block_scale.h"
 
@@ -386,11 +388,27 @@ class WeightCache {
   // keep_released (the BF16-free step): a released weight stays released; its FP8 copy is
   // dropped and the entry keeps the source (which must be FP32, the master) for its next
   // quantization and for any restore. Returns the number kept released then.
+  //
+  // digests (int64, (len(weights), 2)): row i gets (1, the digest of weight i's bytes after the
+  // write, common/digest.h) for a weight written in place (a contiguous CPU tensor), taken chunk
+  // by chunk while the written bytes are still in cache, else (0, 0).
   int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs,
-                         bool keep_released) {
+                         bool keep_released, const std::optional<at::Tensor>& digests) {
     constexpr const char* op = "zrw.assign_weights";
     TORCH_CHECK_VALUE(ws.size() == srcs.size(), op, ": weights and sources must have the same "
                       "length, got ", ws.size(), " and ", srcs.size());
+    int64_t* digest_rows = nullptr;
+    if (digests.has_value()) {
+      const at::Tensor& d = *digests;
+      TORCH_CHECK_VALUE(d.device().is_cpu() && d.scalar_type() == at::kLong && d.dim() == 2 &&
+                            d.size(0) == static_cast<int64_t>(ws.size()) && d.size(1) == 2 &&
+                            d.is_contiguous(),
+                        op, ": digests must be a contiguous CPU int64 tensor of shape (",
+                        ws.size(), ", 2), got ", d.scalar_type(), " of shape ", d.sizes(),
+                        " on ", d.device());
+      digest_rows = d.data_ptr<int64_t>();
+      std::fill(digest_rows, digest_rows + 2 * ws.size(), int64_t{0});
+    }
     std::lock_guard<std::mutex> lock(mu_);
     sweep_locked();
     Failures failures(op, "written");
@@ -420,7 +438,12 @@ class WeightCache {
         } else {
           // Not released, or its data was replaced after the release: w holds live bytes.
           at::NoGradGuard no_grad;
-          w.detach().copy_(srcs[i]);
+          if (digest_rows != nullptr && w.device().is_cpu() && w.is_contiguous()) {
+            digest_rows[2 * i + 1] = static_cast<int64_t>(copy_and_digest(w.detach(), srcs[i]));
+            digest_rows[2 * i] = 1;
+          } else {
+            w.detach().copy_(srcs[i]);
+          }
         }
       });
       if (ok) {
@@ -435,6 +458,30 @@ class WeightCache {
     }
     failures.raise_if_any();
     return n;
+  }
+
+  // dst.copy_(src) for a contiguous CPU dst, in chunks of 256 KiB of dst (threads take whole
+  // chunks; a copy inside a parallel region runs on its thread), each digested right after it
+  // is written, while in cache (common/digest.h): the digest of dst's bytes after the copy.
+  static uint64_t copy_and_digest(const at::Tensor& dst, const at::Tensor& src) {
+    const int64_t n = dst.numel(), elem = dst.element_size();
+    const at::Tensor d = dst.view({n});
+    const at::Tensor s = src.reshape({n});
+    const auto* base = static_cast<const unsigned char*>(dst.const_data_ptr());
+    const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / elem);  // whole 8-byte words
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    const uint64_t acc = at::parallel_reduce(
+        int64_t{0}, chunks, int64_t{1}, uint64_t{0},
+        [&](int64_t c0, int64_t c1, uint64_t sum) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t e0 = c * chunk, e1 = std::min(n, e0 + chunk);
+            d.narrow(0, e0, e1 - e0).copy_(s.narrow(0, e0, e1 - e0));
+            sum += digest::words(base, e0 * elem / 8, e1 == n ? n * elem / 8 : e1 * elem / 8);
+          }
+          return sum;
+        },
+        std::plus<uint64_t>());
+    return digest::finish(acc, base, n * elem);
   }
 
   // The master a released weight's entry holds (keep_released), or nothing.
@@ -829,8 +876,9 @@ int64_t restore_weights(at::TensorList weights, c10::string_view fill,
   return WeightCache::get().restore_weights(weights.vec(), std::string(fill), srcs);
 }
 
-int64_t assign_weights(at::TensorList weights, at::TensorList sources, bool keep_released) {
-  return WeightCache::get().assign_weights(weights.vec(), sources.vec(), keep_released);
+int64_t assign_weights(at::TensorList weights, at::TensorList sources, bool keep_released,
+                       const std::optional<at::Tensor>& digests) {
+  return WeightCache::get().assign_weights(weights.vec(), sources.vec(), keep_released, digests);
 }
 
 std::optional<at::Tensor> cache_master(const at::Tensor& w) { return WeightCache::get().master(w); }

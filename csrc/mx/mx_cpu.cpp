@@ -498,6 +498,11 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
                     "most ", kMaxK, " (2^23: the CPU kernel dequantizes whole rows of K into its "
                     "tiles, and 64 fp32 rows of a longer K exceed 2 GiB), got K = ", K,
                     "; split the product along K and add the partial results");
+  // Below the autograd and view-tracking keys (this kernel is registered for CPU, so its caller
+  // is already there): the tiles, views and GEMMs below dispatch straight to their CPU kernels,
+  // without autograd view metadata, which at the shapes of a small layer costs more than the
+  // arithmetic (issue 28's host-time measurement, bench linear's `host` row).
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto c = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0 || K == 0) return c.zero_();
   const MxOperand A(a, a_scale), B(b, b_scale);
@@ -534,22 +539,24 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   const int64_t b_bytes = aligned(b_tile * K * elem_bytes);
   const int64_t p_bytes = direct ? 0 : aligned(std::min(a_tile, M) * b_tile * 4);
   TileWorkspace::Lease lease(TileWorkspace::get(), a_bytes + b_bytes + p_bytes, a.options());
-  auto slice = [&](int64_t offset, int64_t bytes, at::ScalarType dtype) {
-    return lease.tensor().narrow(0, offset, bytes).view(dtype);
+  // Tiles are views of the leased bytes made with from_blob (no dispatch; the lease keeps the
+  // bytes alive until the call returns).
+  uint8_t* const ws = static_cast<uint8_t*>(lease.tensor().data_ptr());
+  uint8_t* const a_buf = ws;
+  uint8_t* const b_buf = ws + a_bytes;
+  const at::TensorOptions tile_opts = a.options().dtype(tile_dtype);
+  // (rows, K) tile as a GEMM operand, transposed when `transposed` (then (K, rows)): row-major
+  // along K, or a column-major tile (the bytes' own order, (K, rows) in memory).
+  auto tile = [&](const MxOperand& o, uint8_t* buf, int64_t rows, bool transposed) {
+    const int64_t r_stride = o.col_major() ? 1 : K, k_stride = o.col_major() ? rows : 1;
+    return transposed ? at::from_blob(buf, {K, rows}, {k_stride, r_stride}, tile_opts)
+                      : at::from_blob(buf, {rows, K}, {r_stride, k_stride}, tile_opts);
   };
-  at::Tensor a_buf = slice(0, a_bytes, tile_dtype);
-  at::Tensor b_buf = slice(a_bytes, b_bytes, tile_dtype);
-  at::Tensor prod = direct ? at::Tensor() : slice(a_bytes + b_bytes, p_bytes, at::kFloat);
-  // (rows, K) tile as a GEMM operand: row-major, or a column-major tile (K, rows) transposed.
-  auto tile_rows_by_k = [&](const MxOperand& o, at::Tensor& buf, int64_t rows) {
-    const at::Tensor t = buf.narrow(0, 0, rows * K);
-    return o.col_major() ? t.view({K, rows}).t() : t.view({rows, K});
-  };
-  auto dequantize = [&](const MxOperand& o, int64_t r0, int64_t nr, at::Tensor& buf) {
+  auto dequantize = [&](const MxOperand& o, int64_t r0, int64_t nr, uint8_t* buf) {
     if (bf16) {
-      o.dequantize_rows(r0, nr, static_cast<uint16_t*>(buf.data_ptr()));
+      o.dequantize_rows(r0, nr, reinterpret_cast<uint16_t*>(buf));
     } else {
-      o.dequantize_rows(r0, nr, buf.data_ptr<float>());
+      o.dequantize_rows(r0, nr, reinterpret_cast<float*>(buf));
     }
   };
   const bool b_once = b_tile == N;
@@ -557,16 +564,17 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   for (int64_t m0 = 0; m0 < M; m0 += a_tile) {
     const int64_t mb = std::min(a_tile, M - m0);
     dequantize(A, m0, mb, a_buf);
-    const at::Tensor a_mat = tile_rows_by_k(A, a_buf, mb);
+    const at::Tensor a_mat = tile(A, a_buf, mb, false);
     for (int64_t n0 = 0; n0 < N; n0 += b_tile) {
       const int64_t nb = std::min(b_tile, N - n0);
       if (!b_once) dequantize(B, n0, nb, b_buf);
-      const at::Tensor b_mat = tile_rows_by_k(B, b_buf, nb).t();  // (K, nb)
-      at::Tensor c_tile = c.narrow(0, m0, mb).narrow(1, n0, nb);
+      const at::Tensor b_mat = tile(B, b_buf, nb, true);  // (K, nb)
+      at::Tensor c_tile = mb == M && nb == N ? c : c.narrow(0, m0, mb).narrow(1, n0, nb);
       if (direct) {
         at::mm_out(c_tile, a_mat, b_mat);
       } else {
-        at::Tensor p = prod.narrow(0, 0, mb * nb).view({mb, nb});
+        at::Tensor p =
+            at::from_blob(ws + a_bytes + b_bytes, {mb, nb}, a.options().dtype(at::kFloat));
         at::mm_out(p, a_mat, b_mat);
         c_tile.copy_(p);
       }

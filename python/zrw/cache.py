@@ -599,6 +599,21 @@ def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
+def write_back(weights: Sequence[Tensor], sources: Sequence[Tensor],
+               keep_released: bool) -> List[Optional[int]]:
+    """assign_weights for MasterWeights' write-back: also returns, per weight, the digest of
+    the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken while
+    each chunk is still in cache, or None (released, or not a contiguous CPU tensor). Arguments
+    checked by the caller."""
+    digests = torch.empty(len(weights), 2, dtype=torch.int64)
+    torch.ops.zrw.assign_weights(weights, sources, keep_released, digests)
+    return [d & _U64 if taken else None for taken, d in digests.tolist()]
+
+
+_U64 = (1 << 64) - 1
+
+
+@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_all(fill: str = "master") -> int:
     """Restore every released trainable weight and drop every trainable weight's FP8 entry.
 

@@ -283,15 +283,22 @@ class MasterWeights(torch.optim.Optimizer):
             for p, m in zip(group["params"], masters):
                 yield p, m
 
-    def _record_written(self) -> None:
+    def _record_written(self, digests: Optional[List[Optional[int]]] = None) -> None:
         """After a write-back: each parameter holds bf16 of this optimizer's master, and its
-        record says so (what it looks like then, and which master is its value)."""
+        record says so (what it looks like then, and which master is its value). `digests`:
+        those the write-back took as it wrote (cache.write_back), one per parameter in order;
+        the others are read now."""
         pairs = [(local_tensor(p), local_tensor(m)) for p, m in self._pairs()]
         states = cache.cache_states([p for p, _ in pairs]) if pairs else []
-        for (local, m), st in zip(pairs, states):
+        if digests is None or len(digests) != len(pairs):
+            digests = [None] * len(pairs)
+        for (local, m), st, digest in zip(pairs, states, digests):
             rec = record_of(local)
             rec.written = cache.weight_signature(local)
-            rec.digest = None if st.released else cache.weight_digest(local)
+            if st.released:
+                rec.digest = None
+            else:
+                rec.digest = digest if digest is not None else cache.weight_digest(local)
             rec.current = weakref.ref(m)
             rec.hold = False  # its write was read: it may be released again
 
@@ -418,12 +425,12 @@ class MasterWeights(torch.optim.Optimizer):
         masters = [m for ms in self.masters for m in ms]
         # A DTensor parameter (tensor / expert parallelism): its local shard gets the local
         # shard of its DTensor master.
+        digests = None
         try:
-            cache.assign_weights([local_tensor(p) for p in params],
-                                 [local_tensor(m) for m in masters],
-                                 keep_released=self.keep_released)
+            digests = cache.write_back([local_tensor(p) for p in params],
+                                       [local_tensor(m) for m in masters], self.keep_released)
         finally:
-            self._record_written()
+            self._record_written(digests)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):

@@ -51,11 +51,24 @@ class WeightPolicy:
                             getattr(module, "release_frozen", False),
                             getattr(module, "main_grad", False), name)
 
+    @staticmethod
+    def cached(module) -> "WeightPolicy":
+        """WeightPolicy.of(module), made again only when one of the layer's attributes it reads
+        changed since the last call (a layer's forward asks for it at every call)."""
+        key = (module.recipe, module.release, getattr(module, "release_frozen", False),
+               getattr(module, "main_grad", False))
+        hit = module.__dict__.get("_policy")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        policy = WeightPolicy.of(module)
+        module.__dict__["_policy"] = (key, policy)
+        return policy
+
     def named(self, name: Optional[str]) -> "WeightPolicy":
         return self if name == self.name else replace(self, name=name)
 
 
-def _check_policy(op: str, policy) -> WeightPolicy:
+def check_policy(op: str, policy) -> WeightPolicy:
     if not isinstance(policy, WeightPolicy):
         raise TypeError(f"{op}: policy must be a zrw.weights.WeightPolicy, got "
                         f"{type(policy).__name__}")
@@ -105,7 +118,7 @@ def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
     """The MX planes of any weight a zrw layer meets (see the module docstring). For a carrier
     the backward plane is None: it is read from the weight in backward, after FSDP2's
     re-gather (FSDP2 frees the gathered planes at reshard and refills them then)."""
-    _check_policy("zrw.weights.weight_planes", policy)
+    check_policy("zrw.weights.weight_planes", policy)
     recipe = policy.recipe
     if isinstance(weight, MXPlanesCarrier):
         q = weight.mx_weight("fwd")

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import cache, ops
+from .. import cache
 from .._dtensor import (
     _dtensor_cls,
     check_dtensor,
@@ -32,7 +32,14 @@ from .._dtensor import (
 )
 from ..config import QuantRecipe, get_recipe
 from ..planes import MXPlanesCarrier, MXWeight
-from ..weights import WeightPolicy, accumulate_main_grad, check_recipe, quant_local, weight_planes
+from ..weights import (
+    WeightPolicy,
+    accumulate_main_grad,
+    check_policy,
+    check_recipe,
+    quant_local,
+    weight_planes,
+)
 from ..weights import main_grad_owner as _main_grad_owner
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,6 +48,11 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # dispatcher is sent straight past the Autograd key (zrw._autograd's refusal of differentiable
 # inputs, a Python kernel, would cost a Python round trip per op for nothing).
 _below_autograd = torch._C._AutoDispatchBelowAutograd
+# ...and they call the op overloads themselves: their operands are made here (the planes from
+# the cache, the activation checked by the layer), so zrw.ops' Python type checks would only
+# repeat what the C++ kernels check anyway.
+_quantize_dual = torch.ops.zrw.mx_quantize_dual.default
+_matmul = torch.ops.zrw.mx_matmul.default
 
 
 class _MXLinearFn(torch.autograd.Function):
@@ -49,8 +61,8 @@ class _MXLinearFn(torch.autograd.Function):
                 w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
                 scale_mode: str, main_grad_owner: Optional[Tensor]):
         with _below_autograd():
-            qx_k, sx_k, qx_m, sx_m = ops.mx_quantize_dual(x2d, elem_dtype, scale_mode)
-            y = ops.mx_matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
+            qx_k, sx_k, qx_m, sx_m = _quantize_dual(x2d, elem_dtype, scale_mode)
+            y = _matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
         if bias is not None:
             y = y + bias
         ctx.gathered = weight if w_bwd is None else None
@@ -72,12 +84,12 @@ class _MXLinearFn(torch.autograd.Function):
         dx = dw = None
         owner = ctx.main_grad_owner
         with _below_autograd():
-            qdy_n, sdy_n, qdy_m, sdy_m = ops.mx_quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
+            qdy_n, sdy_n, qdy_m, sdy_m = _quantize_dual(dy, ctx.elem_dtype, ctx.scale_mode)
             if ctx.needs_input_grad[0]:
-                dx = ops.mx_matmul(qdy_n, sdy_n, w_bwd.t(), w_bwd_scale.t(), ctx.x_dtype)
+                dx = _matmul(qdy_n, sdy_n, w_bwd.t(), w_bwd_scale.t(), ctx.x_dtype)
             if ctx.w_requires_grad:
                 dw_dtype = ctx.w_dtype if owner is None else torch.float32
-                dw = ops.mx_matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), dw_dtype)
+                dw = _matmul(qdy_m.t(), sdy_m.t(), qx_m.t(), sx_m.t(), dw_dtype)
         if ctx.w_requires_grad:
             if owner is not None:
                 accumulate_main_grad(owner, dw)
@@ -101,8 +113,8 @@ class _MXGroupedFn(torch.autograd.Function):
                 if c == 0:
                     continue
                 xe = x[off:off + c]
-                qk, sk, qm, sm = ops.mx_quantize_dual(xe, elem_dtype, scale_mode)
-                y[off:off + c] = ops.mx_matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
+                qk, sk, qm, sm = _quantize_dual(xe, elem_dtype, scale_mode)
+                y[off:off + c] = _matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
                 saved += [qm, sm]
                 off += c
         ctx.gathered = weight if w_bwd is None else None
@@ -131,14 +143,14 @@ class _MXGroupedFn(torch.autograd.Function):
             for e, c in enumerate(ctx.counts):
                 if c == 0:
                     continue
-                qn, sn, qm, sm = ops.mx_quantize_dual(dy[off:off + c], ctx.elem_dtype,
+                qn, sn, qm, sm = _quantize_dual(dy[off:off + c], ctx.elem_dtype,
                                                       ctx.scale_mode)
                 if dx is not None:
-                    dx[off:off + c] = ops.mx_matmul(qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(),
+                    dx[off:off + c] = _matmul(qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(),
                                                     ctx.x_dtype)
                 if dw is not None:
                     qx_m, sx_m = saved[i], saved[i + 1]
-                    dw[e] = ops.mx_matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
+                    dw[e] = _matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
                 i += 2
                 off += c
         if owner is not None and dw is not None:
@@ -218,8 +230,17 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
     """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K) bf16, fp16 or fp32,
     W (N, K), bias (N,) or None. `recipe` is a QuantRecipe or a registered name. `name` (for
     messages) defaults to the weight's own (zrw.cache.set_weight_name). A DTensor weight (tensor
-    parallelism) computes on the rank's local shard (`dtensor_linear`)."""
+    parallelism) computes on the rank's local shard (`dtensor_linear`). The flags make one
+    zrw.weights.WeightPolicy; the layers pass theirs to `linear` directly."""
     recipe = check_layer_args("mx_linear", x, "input", weight, "(N, K)", recipe, name)
+    return linear(x, weight, bias, WeightPolicy(recipe, release, release_frozen, main_grad, name))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPolicy) -> Tensor:
+    """mx_linear with the weight's policy (recipe, release flags, main_grad, name) as one
+    object: what MXLinear's forward calls with its cached `policy`."""
+    policy = check_policy("mx_linear", policy)
+    check_layer_args("mx_linear", x, "input", weight, "(N, K)", policy.recipe, policy.name)
     if x.dim() < 1:
         raise ValueError("mx_linear: input must have at least one dimension (..., K), got a 0-d "
                          "tensor")
@@ -231,13 +252,13 @@ def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRe
             raise ValueError(f"mx_linear: bias must have shape ({weight.shape[0]},) (the "
                              f"weight's out_features), got {tuple(bias.shape)}")
     if x.shape[-1] != weight.shape[-1]:
-        name = cache.weight_name(weight) if name is None else name
+        name = cache.weight_name(weight) if policy.name is None else policy.name
         raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
                          f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
-    policy = WeightPolicy(recipe, release, release_frozen, main_grad, name)
     if is_dtensor(weight):
-        return dtensor_linear(x, weight, bias, recipe, release, release_frozen, name, main_grad)
-    return apply_mx_linear(x, weight, bias, weight_planes(weight, policy), recipe, main_grad)
+        return _dtensor_linear(x, weight, bias, policy)
+    return apply_mx_linear(x, weight, bias, weight_planes(weight, policy), policy.recipe,
+                           policy.main_grad)
 
 
 def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: MXWeight,
@@ -270,8 +291,18 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
       W Replicate:           x replicated -> y replicated
     x is redistributed to the placement it needs (the engine's collective) when it arrives
     otherwise. Returns a DTensor. (Also zrw.parallel.dtensor_linear.)"""
+    check_recipe("zrw.nn.functional.dtensor_linear", recipe)
+    return _dtensor_linear(x, weight, bias,
+                           WeightPolicy(recipe, release, release_frozen, main_grad, name))
+
+
+def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    policy: WeightPolicy) -> Tensor:
+    """dtensor_linear with the weight's policy as one object."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    recipe, release, release_frozen = policy.recipe, policy.release, policy.release_frozen
+    main_grad, name = policy.main_grad, policy.name
     op = "zrw.nn.functional.dtensor_linear"
     check_dtensor(op, "weight", weight)
     check_tensor(op, "x", x)
@@ -326,7 +357,7 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
     # Quantize (and release) before any view of the local tensor exists (the guard refuses
     # to free a storage another tensor holds), then take the autograd-connected view.
     if carrier:
-        q = weight_planes(owner, WeightPolicy(recipe, release, release_frozen, main_grad, name))
+        q = weight_planes(owner, policy.named(name))
     else:
         q = quant_local(owner, weight.requires_grad, recipe, release, release_frozen, name)
     w_local = weight.to_local()
@@ -362,8 +393,19 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
     in FP32 into `weight.main_grad` instead of `.grad` (as Megatron does; zrw.convert's
     main_grad).
     """
+    recipe = check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", recipe, name)
+    return grouped_linear(x, weight, counts,
+                          WeightPolicy(recipe, release, release_frozen, main_grad, name))
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int],
+                   policy: WeightPolicy) -> Tensor:
+    """mx_grouped_linear with the stack's policy as one object: what the expert layers' forward
+    calls with their cached `policy`."""
+    policy = check_policy("mx_grouped_linear", policy)
+    recipe, name, main_grad = policy.recipe, policy.name, policy.main_grad
     op = "mx_grouped_linear"
-    recipe = check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
+    check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
     shown = cache.weight_name(weight) if name is None else name
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-d (T, K), rows grouped by expert, got shape "
@@ -382,7 +424,7 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
             "zrw runs an expert stack on the local shard the parallel engine hands its forward "
             "(transformers' tp_plan / ep_plan: moe_tp_experts, ep_dispatch_experts); a DTensor "
             "expert stack without such an engine style is not supported")
-    q = weight_planes(weight, WeightPolicy(recipe, release, release_frozen, main_grad, name))
+    q = weight_planes(weight, policy)
     owner = _main_grad_owner(weight) if main_grad else None
     return _MXGroupedFn.apply(x.contiguous(), weight, counts, q.fwd.data, q.fwd.scale,
                               q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode,

@@ -18,7 +18,7 @@ from .._dtensor import engine_view_owner
 from ..config import QuantRecipe, get_recipe
 from ..state_dict import NamedWeight, ReleasedWeightsStateDict, restamp_names
 from ..weights import WeightPolicy
-from .functional import checked_counts, mx_grouped_linear  # noqa: F401
+from .functional import checked_counts, grouped_linear, mx_grouped_linear  # noqa: F401
 
 
 class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
@@ -43,11 +43,10 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
     @property
     def policy(self) -> WeightPolicy:
         """How this layer quantizes its weight (zrw.weights.WeightPolicy)."""
-        return WeightPolicy.of(self)
+        return WeightPolicy.cached(self)
 
     def forward(self, x: Tensor, counts: Sequence[int]) -> Tensor:
-        return mx_grouped_linear(x, self.weight, counts, self.recipe, self.release,
-                                 self.release_frozen, None, self.main_grad)
+        return grouped_linear(x, self.weight, counts, WeightPolicy.cached(self))
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -98,7 +97,7 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
     @property
     def policy(self) -> WeightPolicy:
         """How this layer quantizes its stacks (zrw.weights.WeightPolicy)."""
-        return WeightPolicy.of(self)
+        return WeightPolicy.cached(self)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor,
                 top_k_weights: Tensor) -> Tensor:
@@ -117,13 +116,11 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         # `module._parameters[...]`, which no hook sees: those views get the layer's names.
         names = (self._weight_names()
                  if engine_view_owner(self.gate_up_proj) is not None else {})
-        main_grad = getattr(self, "main_grad", False)  # (modules pickled before it existed)
-        gu = mx_grouped_linear(x, self.gate_up_proj, counts, self.recipe, self.release,
-                               self.release_frozen, names.get("gate_up_proj"), main_grad)
+        policy = WeightPolicy.cached(self)
+        gu = grouped_linear(x, self.gate_up_proj, counts, policy.named(names.get("gate_up_proj")))
         gate, up = gu.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
-        out = mx_grouped_linear(h, self.down_proj, counts, self.recipe, self.release,
-                                self.release_frozen, names.get("down_proj"), main_grad)
+        out = grouped_linear(h, self.down_proj, counts, policy.named(names.get("down_proj")))
         out = out * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         final.index_add_(0, token_of, out.to(final.dtype))

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ..config import QuantRecipe, get_recipe
 from ..state_dict import NamedWeight, ReleasedWeightsStateDict, restamp_names  # noqa: F401
 from ..weights import WeightPolicy
-from .functional import INPUT_DTYPES, apply_mx_linear, check_layer_args, mx_linear  # noqa: F401
+from .functional import INPUT_DTYPES, apply_mx_linear, check_layer_args, linear, mx_linear  # noqa: F401,E501
 
 
 def cache_recipe(recipe: QuantRecipe) -> str:
@@ -66,13 +66,12 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
     @property
     def policy(self) -> WeightPolicy:
         """How this layer quantizes its weight (zrw.weights.WeightPolicy)."""
-        return WeightPolicy.of(self)
+        return WeightPolicy.cached(self)
 
     def forward(self, x: Tensor) -> Tensor:
         # The name for messages is the weight's own (NamedWeight stamps it on every weight the
         # layer gets, a parallel engine's DTensor included): never a per-layer string here.
-        return mx_linear(x, self.weight, self.bias, self.recipe, self.release,
-                         self.release_frozen, None, self.main_grad)
+        return linear(x, self.weight, self.bias, WeightPolicy.cached(self))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")
