@@ -53,7 +53,7 @@ PyObject* cpu_free_matmul_workspace(PyObject*, PyObject*) {
 // A 64-bit digest of `nbytes` bytes at `addr` (a contiguous CPU tensor's data, read, never
 // written): MasterWeights records it for each parameter it writes back and compares it before
 // the next step, to see writes that bump no version counter (through `.data`) without
-// comparing every parameter with its FP32 master (docs/design.md, "Rules of truth"). Each
+// comparing every parameter with its FP32 master (docs/design.md §5, "Rules of truth"). Each
 // 8-byte word is mixed with its position (two multiplies, non-linear), so reordered, shifted
 // or rewritten bytes change the digest except with probability ~2^-64. Threads:
 // at::parallel_reduce, without the GIL.
