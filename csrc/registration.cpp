@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(zrw, m) {
-  // MX quantization (DESIGN.md §3-§4). Blocks of 32 elements share one float8_e8m0fnu scale.
+  // MX quantization (docs/design.md §3-§4). Blocks of 32 elements share one float8_e8m0fnu scale.
   m.def("mx_quantize(Tensor x, int dim, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
   m.def("mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
@@ -12,7 +12,7 @@ TORCH_LIBRARY(zrw, m) {
         {at::Tag::pt2_compliant_tag});
   m.def("mx_quantize_block(Tensor w, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
-  // The same three layouts straight from an FP32 master weight (DESIGN.md §5, the BF16-free
+  // The same three layouts straight from an FP32 master weight (docs/design.md §5, the BF16-free
   // step): each element rounded to param_dtype (bf16 or fp16, as master.to(param_dtype) rounds)
   // and quantized in one read; the outputs are exactly those of the op above applied to
   // master.to(param_dtype), which is never materialized.
@@ -33,7 +33,7 @@ TORCH_LIBRARY(zrw, m) {
   m.def("mx_expand_block_scale(Tensor block_scale, int n, int k, int dim) -> Tensor",
         {at::Tag::pt2_compliant_tag});
 
-  // The native weight cache (DESIGN.md §5). Stateful and eager-only: they run from layers' and
+  // The native weight cache (docs/design.md §5). Stateful and eager-only: they run from layers' and
   // optimizer hooks outside compiled regions. quant_and_release returns, for "mxfp8",
   // [data_fwd, scale_fwd, data_bwd, scale_bwd]; for "mxfp8-32x32",
   // [data, scale_fwd, data, scale_bwd, block_scale] (one data tensor for both directions).
@@ -48,7 +48,7 @@ TORCH_LIBRARY(zrw, m) {
   // keep_released: a released weight stays released and takes its source (an FP32 master) as the
   // values its next quantization reads (the BF16-free optimizer step).
   // digests: where given, each weight written in place gets the digest of its new bytes
-  // (MasterWeights' write check, docs/design.md "Rules of truth").
+  // (MasterWeights' write check, docs/design.md §5, "Rules of truth").
   m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False,"
         " Tensor(a!)? digests=None) -> int");
   // The FP32 master a released weight's entry holds (keep_released), or None.

@@ -1,5 +1,6 @@
-"""Your own layer on zrw's ops (the design card's API): a projection whose GEMMs run on MXFP8
-operands, with its weight quantized once per optimizer step and its BF16 storage released.
+"""Your own layer on zrw's ops (the design's API, docs/design.md §4): a projection whose GEMMs
+run on MXFP8 operands, with its weight quantized once per optimizer step and its BF16 storage
+released.
 
   zrw.ops.quant_and_release(w, recipe, release)  first use in a step: quantize both 1x32 planes,
                                                  file them in the cache, release w's BF16 bytes;

@@ -2,8 +2,8 @@
 
 No timing is asserted (times on a shared 2-core machine say nothing in a test); what is checked
 is that every figure is there, finite and positive, that exact figures (bytes, ratios built
-from them) are what they must be, and that each benchmark runs in its own process as the README
-says (`python -m zrw.bench NAME --json`).
+from them) are what they must be, and that each benchmark runs in its own process as
+docs/design.md §9 says (`python -m zrw.bench NAME --json`).
 """
 import json
 import math

@@ -1,5 +1,5 @@
-"""The native weight cache (issue 3, DESIGN.md §5): quant_and_release, the release guard, restore
-and its fills, the step lifecycle, frozen weights, weak entries, and thread safety.
+"""The native weight cache (issue 3, docs/design.md §5): quant_and_release, the release guard,
+restore and its fills, the step lifecycle, frozen weights, weak entries, and thread safety.
 
 Memory is measured with zrw.memory's counting allocator, installed when this module is imported
 (before any measured tensor exists). A released weight keeps its storage's logical nbytes on
@@ -572,7 +572,7 @@ def test_guard_skips_release_with_reason_and_keeps_storage(case):
     assert st[f"skip_{reason}"] == (1 if filed else 2)
     assert (st["hits"], st["misses"]) == ((1, 1) if filed else (0, 2))
     assert not cache.is_released(target)
-    # restore of a weight that is not released raises (DESIGN.md §8) and changes nothing.
+    # restore of a weight that is not released raises (docs/design.md §8) and changes nothing.
     with pytest.raises(ValueError, match="not released|never released"):
         cache.restore(target, "zeros")
     assert same_bits(target.detach(), ref)
@@ -746,7 +746,7 @@ def test_collected_weights_key_is_not_confused_with_new_tensor():
 # restore: no-ops, fills, master.
 
 def test_restore_of_a_weight_that_is_not_released_raises():
-    # DESIGN.md §8: restoring a weight that was never released (or is not now) is an error
+    # docs/design.md §8: restoring a weight that was never released (or is not now) is an error
     # that says why; it changes nothing.
     w = param(64, 64)
     ref = w.detach().clone()

@@ -1,6 +1,6 @@
-"""The README's examples run as they are (examples/): the custom layer on zrw's ops trains,
-releases 2 bytes per weight element every step, and its losses and final weights with release
-on equal release off bit for bit."""
+"""The documented examples run as they are (examples/, docs/training.md): the custom layer on
+zrw's ops trains, releases 2 bytes per weight element every step, and its losses and final
+weights with release on equal release off bit for bit."""
 import os
 import re
 import subprocess

@@ -1,6 +1,6 @@
 """Issue 28: one test (or a small parametrized group) per class of hostile cases found there.
 
-Each test asserts the behaviour the issue asks for (docs/design.md: whatever a user does through
+Each test asserts the behaviour the issue asks for (docs/design.md §5: whatever a user does through
 PyTorch's public API, training with release on gives bit for bit what release off gives, or the
 call raises a named error before it changes anything; no FP8 copy is ever served stale), on the
 tiny model of tests/test_user_actions.py. Classes, in the issue's order:

@@ -1,7 +1,7 @@
 """zrw's imports run one way (issue 21): each module imports only modules of a lower level, and
 no zrw module is imported inside a function or class body.
 
-LEVELS is the module map (README "Module map"). A module missing from it fails the test: place
+LEVELS is the module map (docs/design.md §1). A module missing from it fails the test: place
 it when you add it. Read from the sources with `ast`, so nothing is imported to check it.
 """
 from __future__ import annotations

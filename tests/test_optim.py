@@ -1,5 +1,5 @@
-"""The optimizer boundary (issue 3, DESIGN.md §5/§9): zrw.optim.attach and MasterWeights, and the
-zero-redundancy training loop: bitwise identical with release on and off, the released bytes are
+"""The optimizer boundary (issue 3, docs/design.md §5/§9): zrw.optim.attach and MasterWeights, and
+the zero-redundancy training loop: bitwise identical with release on and off, the released bytes are
 the BF16 bytes of the weights, and the peak between the first forward and the optimizer pre-hook
 drops by exactly those bytes (zrw.memory, installed when this module is imported, before any
 measured tensor exists)."""

@@ -1,4 +1,4 @@
-"""Argument checks of zrw's public functions (DESIGN.md §8, issue 19 "Misleading or missing
+"""Argument checks of zrw's public functions (docs/design.md §8, issue 19 "Misleading or missing
 errors"): None or a wrong type raises TypeError, a bad value ValueError; the message names the
 function and the argument, what was expected and what was found; and it is raised before
 anything changes (the model is not converted, no weight is cached or restored, no file is

@@ -1,7 +1,7 @@
 """Every op in the `zrw` library is complete: schema, CPU kernel, fake, wrapper and reference.
 
 The ops are enumerated from the dispatcher, so an op added to csrc/registration.cpp is checked here
-without touching this file (STYLE.md, "An op, end to end").
+without touching this file (docs/design.md §10, "An op, end to end").
 """
 
 import inspect
@@ -131,7 +131,7 @@ def test_wrapper_and_reference_take_the_schema_arguments(name):
 
 
 def test_the_design_cards_entry_points_are_in_zrw_ops():
-    """DESIGN.md §4: `zrw.ops.quant_and_release(w)` is the call a custom layer makes, with the
+    """docs/design.md §4: `zrw.ops.quant_and_release(w)` is the call a custom layer makes, with the
     restore calls next to it; they are zrw.cache's functions themselves (one implementation)."""
 
     for name in ("quant_and_release", "restore", "restore_all"):

@@ -1,4 +1,4 @@
-"""No crash, no lost weight (issue 11, DESIGN.md §5 "Safety invariants"): misuse, faults and
+"""No crash, no lost weight (issue 11, docs/design.md §5 "Safety invariants"): misuse, faults and
 threads around release and restore.
 
 Crash-prone cases run in a child process, so that a regression (a segfault, a heap corruption

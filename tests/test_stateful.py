@@ -1,4 +1,4 @@
-"""Issue 28: a model-based test of the cache lifecycle (docs/design.md), as a hypothesis
+"""Issue 28: a model-based test of the cache lifecycle (docs/design.md §5), as a hypothesis
 RuleBasedStateMachine.
 
 Two copies of the tiny model of tests/test_user_actions.py (embedding and norm outside zrw's
@@ -119,7 +119,7 @@ class World:
 
 def _named_refusal(weight, e, name):
     """A `.data` write refused with release on: the weight is released (and stays so: nothing
-    changed) and the error names it (the release poison, docs/design.md)."""
+    changed) and the error names it (the release poison, docs/design.md §5)."""
     return cache.is_released(weight) and name in str(e) and "zrw" in str(e)
 
 

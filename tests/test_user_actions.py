@@ -141,7 +141,7 @@ def _inplace_no_grad(model, opt, ctx):
 def _tie(model, opt, ctx):
     # A weight tied after convert: the embedding reads the converted head's weight.
     model.embed.weight = model.head.weight
-    # what the README asks for before an apply or a cast (a forward, state_dict() or
+    # what docs/guarantees.md asks for before an apply or a cast (a forward, state_dict() or
     # load_state_dict() of the converted model finds the tie by itself)
     zrw.nn.hold_tied_weights(model)
 

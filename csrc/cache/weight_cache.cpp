@@ -1,5 +1,5 @@
 // The native weight cache: one process-wide table of MXFP8 copies of weights, and the release /
-// restore of their BF16 storage (DESIGN.md §5).
+// restore of their BF16 storage (docs/design.md §5).
 //
 // An entry is keyed by the weight's TensorImpl and holds it weakly: the weak reference keeps the
 // TensorImpl's memory block (so the key cannot be reused by another tensor) but not the tensor,
@@ -12,7 +12,7 @@
 // released leaf.
 //
 // Restore is the one path that writes a released weight back, and it keeps these invariants
-// (DESIGN.md §5, "Safety invariants"), whatever fails on the way:
+// (docs/design.md §5, "Safety invariants"), whatever fails on the way:
 //  - it writes only into the storage the weight was released with (the entry keeps it), with
 //    the dtype and geometry recorded at release, after checking that the weight still holds
 //    that storage with that layout; a mismatch raises and changes nothing;
@@ -329,7 +329,7 @@ class WeightCache {
     return quantize(w, recipe, elem_dtype, scale_mode);
   }
 
-  // Restores one released weight (DESIGN.md §8: a weight that is not released is an error).
+  // Restores one released weight (docs/design.md §8: a weight that is not released is an error).
   void restore(const at::Tensor& w, const std::string& fill_str,
                const std::optional<at::Tensor>& source) {
     constexpr const char* op = "zrw.restore";
@@ -726,7 +726,7 @@ class WeightCache {
     return block_entry(data, block);
   }
 
-  // The release guard (DESIGN.md §5). Returns kReleased or the reason to keep the storage.
+  // The release guard (docs/design.md §5). Returns kReleased or the reason to keep the storage.
   // `trainable`: whether the optimizer steps w (w.requires_grad(), unless the caller says
   // otherwise: a DTensor's local shard never requires grad itself, its DTensor does).
   static const char* release_guard(const at::Tensor& w, bool trainable, bool release,

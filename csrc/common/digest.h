@@ -1,7 +1,7 @@
 // A 64-bit digest of a tensor's bytes: MasterWeights records it for each parameter it writes
 // back and compares it before the next step, to see writes that bump no version counter
-// (through `.data`) without comparing every parameter with its FP32 master (docs/design.md,
-// "Rules of truth"). Each 8-byte word is mixed with its position (two multiplies, non-linear),
+// (through `.data`) without comparing every parameter with its FP32 master (docs/design.md
+// §5, "Rules of truth"). Each 8-byte word is mixed with its position (two multiplies, non-linear),
 // so reordered, shifted or rewritten bytes change the digest except with probability ~2^-64.
 //
 // The digest is a sum over words, so it can be taken in pieces: `words` over any split of

@@ -1,4 +1,4 @@
-// A counting CPU allocator (DESIGN.md §9): wraps c10's CPU allocator through
+// A counting CPU allocator (docs/design.md §9): wraps c10's CPU allocator through
 // c10::SetCPUAllocator and keeps current and peak live bytes, like
 // torch.cuda.memory_allocated / max_memory_allocated. Blocks allocated before install() are
 // invisible to it (their frees too), so install it before the model is built.

@@ -1,5 +1,5 @@
-// mx_expand_block_scale: the per-axis scale that a 32x32 block scale stands for (DESIGN.md §3).
-// One implementation for every user: the native cache expands a cached 32x32 weight's scales
+// mx_expand_block_scale: the per-axis scale that a 32x32 block scale stands for
+// (docs/design.md §3). One implementation for every user: the native cache expands a cached 32x32 weight's scales
 // with it, zrw.ops.expand_block_scale (FSDP2's gathered weights) calls it. Written with ATen
 // ops only, so it serves every device (CompositeExplicitAutograd).
 #include <ATen/ATen.h>

@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
   return quantize_block(w, elem_dtype, mode, kNoRounding);
 }
 
-// Quantization straight from an FP32 master (DESIGN.md §5, the BF16-free step): the bytes of
+// Quantization straight from an FP32 master (docs/design.md §5, the BF16-free step): the bytes of
 // mx_quantize*(master.to(param_dtype), ...), with the rounding done in the kernel's one read.
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_from_master_cpu(const at::Tensor& master,

@@ -1,7 +1,7 @@
 // The NPU adapter: zrw's MX ops for the PrivateUse1 key (Ascend NPUs under torch_npu), built on
 // torch_npu's MX operators, which are called through the dispatcher (npu_operator.h) so that this
 // file needs no torch_npu or CANN headers and builds into zrw._C everywhere. The kernels return
-// exactly what the CPU kernels return (DESIGN.md §3): torch_npu's paired uint8 scales are
+// exactly what the CPU kernels return (docs/design.md §3): torch_npu's paired uint8 scales are
 // converted to zrw's canonical float8_e8m0fnu ones inside each kernel (mx_layout.h), and back for
 // npu_quant_matmul.
 //
@@ -122,7 +122,7 @@ at::Tensor empty_scale(at::IntArrayRef shape, const at::Tensor& like) {
 // notes §1.3), which also keeps any rank within its 1-7 dims. A float32 x needs at least 32
 // elements along the quantized axis (torch_npu 2.13.0's docstring of the operator): a shorter
 // axis is zero-padded to one block, which changes no block's amax (zrw counts the missing
-// elements of a partial block as 0, DESIGN.md §3), and the data narrowed back.
+// elements of a partial block as 0, docs/design.md §3), and the data narrowed back.
 std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tensor& x, int64_t d,
                                                   at::ScalarType elem_dtype, ScaleMode mode) {
   constexpr const char* npu_name = "npu_dynamic_mx_quant";

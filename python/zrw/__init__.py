@@ -21,7 +21,7 @@ from . import _released_queries  # noqa: E402,F401  (is_shared of a released wei
 from . import config, ops, planes, record, reference  # noqa: E402,F401
 from . import cache  # noqa: E402,F401
 
-# The design card's entry points for custom layers (DESIGN.md §4): zrw.ops.quant_and_release,
+# The design's entry points for custom layers (docs/design.md §4): zrw.ops.quant_and_release,
 # zrw.ops.restore and zrw.ops.restore_all are zrw.cache's calls themselves (one
 # implementation). They are bound here, at the package root, so that zrw.ops, the lowest
 # layer, imports nothing above it (zrw.cache builds on zrw.ops).

@@ -1,7 +1,10 @@
-"""Fake (meta) kernels of every zrw op: shapes and dtypes only, never data.
+"""Fake kernels of zrw's ops: shapes and dtypes only, never data (docs/design.md §4).
 
-They let torch.compile, FakeTensor and torch.library.opcheck reason about the ops. Each one
-mirrors the layout contract of the CPU kernel it stands for (see zrw.ops).
+They let torch.compile, FakeTensor and torch.library.opcheck reason about the ops. Each
+stateless op and quant_and_release has one that mirrors the layout contract and the checks of
+the CPU kernel it stands for (see zrw.ops). The cache ops that take tensors get fakes that
+refuse (they are eager-only); the tensorless bookkeeping ops (cache_clear, next_step,
+cache_stats, cache_entries) have none: no fake tensor can dispatch to them.
 """
 import torch
 
@@ -278,14 +281,15 @@ def _eager_only(name: str):
     def fake(*args, **kwargs):
         raise RuntimeError(
             f"zrw.{name} is a stateful, eager-only op (the native weight cache): it cannot run on "
-            "fake or meta tensors or inside a compiled graph; zrw.ops wraps it with "
+            "fake or meta tensors or inside a compiled graph; zrw.cache wraps it with "
             "torch._dynamo.disable, so call it through zrw.cache")
 
     return fake
 
 
-# The cache ops that take a weight: no meaningful fake exists (their effect is on the weight's
-# storage and the process-wide table), so the fake says so instead of pretending.
+# The cache ops that take tensors (weights; restore_all its skip list): no meaningful fake exists
+# (their effect is on the weights' storage and the process-wide table), so the fake says so
+# instead of pretending.
 for _name in ("restore", "restore_weights", "assign_weights", "cache_invalidate", "cache_state",
               "cache_states", "cache_master", "restore_all"):
     torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))

@@ -24,8 +24,8 @@ torch's error, now raised instead of aborting (on CUDA torch answers True withou
 pointer, and still does). Every other storage goes to torch's own is_shared, unchanged.
 
 Known limit: like any read of a weight's data from another thread during a training step (the
-README's "Guarantees", Threads), a release between the probe and torch's call is a race in
-the caller's code.
+Threads guarantee in docs/guarantees.md), a release between the probe and torch's call is a
+race in the caller's code.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Which backends and kernels this build of zrw has, and which can run in this process.
 
 ``zrw.backends()`` answers from the dispatcher and the installed modules, never from whether a
-device is visible (DESIGN.md §2):
+device is visible (docs/design.md §2):
 
 * ``cpu``: always built; the reference backend. ``isa`` is the instruction set of the CPU
   quantization kernel in use (``zrw._C.cpu_isa()``).

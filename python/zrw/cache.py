@@ -1,4 +1,4 @@
-"""The native weight cache and the release / restore lifecycle (DESIGN.md §5).
+"""The native weight cache and the release / restore lifecycle (docs/design.md §5).
 
 These are stateful, eager-only calls: they run from layers and optimizer hooks, never inside a
 compiled graph (dynamo is told to skip them). The op wrappers of zrw.ops are stateless; this
@@ -18,11 +18,11 @@ module is everything that changes what a weight holds:
 A DTensor weight (tensor / expert parallelism, zrw.parallel) is cached by its local shard: every
 call here given a DTensor (weight, master or source) works on its local tensor.
 
-Guarantees (the README's "Guarantees" section): a restore checks that the weight still has the
-storage, dtype and size it was released with, allocates its bytes and fills them before it
-clears the release poison, and runs under the cache's lock; a weight it could not restore keeps
-its entry and its FP8 copy, and the error names it. No fill hands out uninitialized memory
-unless the caller asked for "empty".
+Guarantees (docs/guarantees.md; docs/design.md §5, "Safety invariants"): a restore checks that
+the weight still has the storage, dtype and size it was released with, allocates its bytes and
+fills them before it clears the release poison, and runs under the cache's lock; a weight it
+could not restore keeps its entry and its FP8 copy, and the error names it. No fill hands out
+uninitialized memory unless the caller asked for "empty".
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ _release_state = threading.local()
 EAGER_ONLY = ("zrw's weight cache is eager-only: a converted model's forward breaks the graph "
               "at each zrw layer's cache lookup (and at the model's once-per-step tie check), "
               "so torch.compile(model, fullgraph=True) cannot compile it; compile without "
-              "fullgraph=True (README: Guarantees)")
+              "fullgraph=True (docs/guarantees.md)")
 
 
 class CacheState(str, enum.Enum):
@@ -131,7 +131,7 @@ def _export_error(op: str, what: str) -> RuntimeError:
         "(the graph would fix whether a weight is released at trace time and lose zrw's "
         "autograd functions, so it could not train). For pipeline parallelism build each "
         "stage by hand, torch.distributed.pipelining.PipelineStage(submodule, stage_index, "
-        "num_stages, device), instead of pipeline() (README: Pipeline parallelism)")
+        "num_stages, device), instead of pipeline() (docs/distributed.md: Pipeline parallelism)")
 
 
 def _check_fill(op: str, fill) -> None:
@@ -241,8 +241,8 @@ def quant_and_release(
 
 
 def _training_use(op: str, w: Tensor, rec, release: bool, name: str) -> bool:
-    """The transitions of a trainable weight's use in training (docs/design.md, "The state
-    machine"), before the native lookup. Returns whether the lookup may release it.
+    """The transitions of a trainable weight's use in training (docs/design.md §5, "Events
+    and transitions"), before the native lookup. Returns whether the lookup may release it.
 
     - released for good while frozen, now trainable: restored exactly from its master, or a
       named error (its BF16 values no longer exist) before anything changes;
@@ -510,8 +510,8 @@ def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) ->
 
     fill: "master" (bf16 of the MasterWeights FP32 master — exactly what the optimizer would
     write; for a mid-step checkpoint or eval), "dequant" (from the FP8 copy; lossy), "zeros", or
-    "empty" (uninitialized; only when something overwrites it next). Raises (DESIGN.md §8) for a
-    weight that is not released, and for one whose data was replaced since its release
+    "empty" (uninitialized; only when something overwrites it next). Raises (docs/design.md §8) for
+    a weight that is not released, and for one whose data was replaced since its release
     (`w.data = t`); on any error the weight stays released and restorable.
     `source` (fill "master" only): the values to restore instead of the registered master (a
     tensor of w's shape, rounded to w's dtype; e.g. a loaded state-dict value).

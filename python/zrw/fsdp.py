@@ -1,4 +1,4 @@
-"""FSDP2 with an MXFP8 all-gather (DESIGN.md §7; the RFC rfc_fsdp_mxfp8_32x32).
+"""FSDP2 with an MXFP8 all-gather (docs/design.md §7; the RFC rfc_fsdp_mxfp8_32x32).
 
 `prepare(model)` wraps the weights of every layer that declares what it quantizes (a
 `zrw_quantized` tuple of parameter names and a `recipe`, as zrw.nn.MXLinear, MXGroupedLinear and

@@ -1,4 +1,4 @@
-"""Live and peak CPU memory, measured by zrw's counting allocator (DESIGN.md §9).
+"""Live and peak CPU memory, measured by zrw's counting allocator (docs/design.md §9).
 
 `install()` wraps c10's CPU allocator (c10::SetCPUAllocator), so every CPU tensor allocated
 afterwards is counted: `current()` live bytes, `peak()` since install or the last `reset_peak()`,

@@ -1,6 +1,6 @@
 """Typed wrappers of the `torch.ops.zrw.*` ops: the layout contract lives in these docstrings.
 
-Conventions (DESIGN.md §3): a block is 32 consecutive elements along one axis; a weight W is
+Conventions (docs/design.md §3): a block is 32 consecutive elements along one axis; a weight W is
 (N, K) = (out_features, in_features) as in nn.Linear, or a stack (E, N, K) of such matrices;
 elements are torch.float8_e4m3fn (default) or torch.float8_e5m2; scales are
 torch.float8_e8m0fnu (biased exponent byte, 0xFF = NaN). A dimension that is not a multiple of
@@ -8,7 +8,7 @@ torch.float8_e8m0fnu (biased exponent byte, 0xFF = NaN). A dimension that is not
 
 The lifecycle calls a custom layer makes, `quant_and_release(w, ...)` (first use in a step:
 quantize, cache, release the BF16 storage) and the restores `restore(w, fill)` /
-`restore_all(fill)`, are reachable here as the design card names them: they are
+`restore_all(fill)`, are reachable here as the design names them (docs/design.md §4): they are
 zrw.cache's own functions, bound into this module by the zrw package (see zrw/__init__.py).
 """
 from __future__ import annotations
@@ -97,8 +97,8 @@ def mx_quantize_block(
     return torch.ops.zrw.mx_quantize_block.default(w, elem_dtype, scale_mode)
 
 
-# Quantization straight from an FP32 master weight (DESIGN.md §5, the BF16-free optimizer step):
-# a released bf16/fp16 parameter is quantized at its next first use from the master that
+# Quantization straight from an FP32 master weight (docs/design.md §5, the BF16-free optimizer
+# step): a released bf16/fp16 parameter is quantized at its next first use from the master that
 # zrw.optim.MasterWeights keeps, with the bytes of quantizing the parameter itself.
 
 

@@ -1,4 +1,4 @@
-"""The optimizer boundary of zero-redundancy weights (DESIGN.md §5).
+"""The optimizer boundary of zero-redundancy weights (docs/design.md §5).
 
 `MasterWeights(optimizer_cls, params, **kw)` is a torch.optim.Optimizer with FP32 masters (the
 scheme of Megatron's mixed-precision optimizer): it steps any plain torch optimizer on the

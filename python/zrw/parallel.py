@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on the engines users already run (DESIGN.md §7).
+"""Tensor and expert parallelism on the engines users already run (docs/design.md §7).
 
 zrw brings no parallel engine of its own. The weights are sharded by
   * PyTorch's DTensor engine: torch.distributed.tensor.parallel.parallelize_module with

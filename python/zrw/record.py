@@ -1,5 +1,5 @@
 """One record per weight: everything zrw knows about a weight, in one registry
-(docs/design.md, "The weight record").
+(docs/design.md §5, "Where a weight's state lives").
 
 The native cache table (csrc/cache/weight_cache.cpp) stores a weight's FP8 bytes and its
 state (none, cached, released, released for good). Everything else zrw knows about the weight

@@ -1,8 +1,10 @@
 """The plain-PyTorch specification of every zrw MX op: readable first, fast never.
 
 Every backend (the C++ CPU kernels, CUDA, NPU) must produce the same bytes as these functions; tests
-compare against them with zero tolerance. Nothing here touches the compiled extension, so
-``import zrw.reference`` works on a machine where the extension is not built.
+compare against them with zero tolerance (docs/design.md §3). No function here calls a compiled
+kernel, but the module is not independent of the extension: it imports ``zrw.ops`` (for
+``SCALE_MODES``, whose one source is the C++ names), which loads ``zrw._C``, and so does ``import
+zrw``. It needs the built extension like every zrw module.
 
 The format (OCP Microscaling v1.0, MXFP8)
 -----------------------------------------

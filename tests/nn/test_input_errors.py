@@ -1,6 +1,6 @@
 """Bad inputs to the training layers raise errors that name the argument, what was expected and
-what was found (DESIGN.md §8): TypeError for a wrong type or dtype, ValueError for a wrong value
-or shape. An input of the wrong dtype is the input's fault, never reported as the weight's."""
+what was found (docs/design.md §8): TypeError for a wrong type or dtype, ValueError for a wrong
+value or shape. An input of the wrong dtype is the input's fault, never reported as the weight's."""
 import re
 
 import pytest

@@ -1,5 +1,5 @@
 """Every bad input to a zrw op raises a Python exception naming the argument, the expectation and
-what was found (DESIGN.md §8), never a crash and never a silent result.
+what was found (docs/design.md §8), never a crash and never a silent result.
 
 Exception types follow csrc/common/checks.h: TORCH_CHECK_TYPE -> TypeError (dtypes),
 TORCH_CHECK_VALUE -> ValueError (shapes, ranks, scale_mode), TORCH_CHECK_INDEX -> IndexError (dim),

@@ -4,10 +4,10 @@ The kernel accumulates in fp32 in its own order, so results agree within fp32 ro
 within 1e-5 of the magnitude sum(|a_ik| |b_jk|) it was accumulated from (the error bound of an fp32
 dot product scales with that sum, not with the result, which may cancel to ~0).
 
-Operands come in the four layouts training uses (DESIGN.md §4): "rows" is a (R, K) tensor quantized
-along K; "t" is the ``.t()`` view of a (K, R) tensor quantized along dim 0 (with its scale's
-``.t()``): dgrad passes ``W_bwd.t()``, wgrad ``Q_M(dy).t()`` and ``Q_M(x).t()``. The op takes these
-strided views as they are.
+Operands come in the four layouts training uses (docs/design.md §4): "rows" is a (R, K) tensor
+quantized along K; "t" is the ``.t()`` view of a (K, R) tensor quantized along dim 0 (with its
+scale's ``.t()``): dgrad passes ``W_bwd.t()``, wgrad ``Q_M(dy).t()`` and ``Q_M(x).t()``. The op
+takes these strided views as they are.
 """
 
 import pytest

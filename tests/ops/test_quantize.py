@@ -2,7 +2,7 @@
 
 Every comparison is on the raw bytes (``.view(torch.uint8)``, zero tolerance). The only bytes
 left out are the elements of blocks whose scale byte is 0xFF (a block holding NaN or +-Inf):
-DESIGN.md §3 leaves them unspecified, so there only the scales are compared.
+docs/design.md §3 leaves them unspecified, so there only the scales are compared.
 
 Inputs are built per block along the blocking axis (``make_input``), so that the hard cases land
 where they matter: a block's amax mantissa above 1.75 (floor and rceil pick different scales), exact

@@ -5,7 +5,7 @@ tensor the optimizer would write into the parameter) and the reference's result 
 kernel rounds each fp32 element to the parameter dtype the way torch's conversion does and
 quantizes it in the same pass. Against the existing op the comparison is on every byte, the
 elements of 0xFF blocks included (both kernels write the same fill there); against the reference
-those elements are masked (DESIGN.md §3 leaves them unspecified).
+those elements are masked (docs/design.md §3 leaves them unspecified).
 
 The masters are built from fp32 bit patterns where the rounding to the parameter dtype decides:
 exact ties (low 16 bits 0x8000 for bf16, low 13 bits 0x1000 for fp16, odd and even kept bits,

@@ -1,7 +1,7 @@
 """zrw.reference against hand-computed golden values: the spec checked by arithmetic done by hand.
 
-Each expected byte or value below is worked out in a comment from the rules in DESIGN.md §3, so a
-failure says which rule the reference broke.
+Each expected byte or value below is worked out in a comment from the rules in docs/design.md §3, so
+a failure says which rule the reference broke.
 """
 
 import math

@@ -2,9 +2,9 @@
 
 torchao 0.18 implements FLOOR (OCP) and RCEIL (cuBLAS) in its own way (exponent bits of the fp32
 amax; ``ceil(log2(amax / max))``), so agreement on ordinary blocks checks the reference from
-outside. Where torchao departs from DESIGN.md §3 the blocks are left out of the byte comparison,
-and each departure has its own test below asserting both what torchao does and what the spec
-says: if torchao changes, the test fails and the departure list gets revisited.
+outside. Where torchao departs from docs/design.md §3 the blocks are left out of the byte
+comparison, and each departure has its own test below asserting both what torchao does and what the
+spec says: if torchao changes, the test fails and the departure list gets revisited.
 
 torchao only takes bf16/fp32 inputs whose last dim is a multiple of 32, blocked along the last dim.
 """

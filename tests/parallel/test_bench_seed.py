@@ -1,5 +1,5 @@
 """`python -m zrw.bench seed` end to end at tiny shapes (the full-size run is not a test: it
-needs several GiB and minutes; its table is in the README). The seed's three configurations,
+needs several GiB and minutes; its table is in docs/benchmarks.md). The seed's three configurations,
 on their real rank counts (1; TP=4; EP=2 with TP=2), the pipeline-parallel one (PP=2,
 Schedule1F1B) and the 2-D one (TP=2 x FSDP2=2 on 4 ranks), gloo ranks spawned by the
 benchmark."""

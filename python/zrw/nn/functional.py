@@ -1,6 +1,6 @@
 """The MXFP8 GEMMs of zrw's layers: their autograd functions and functional forms, in one place.
 
-Numerics (DESIGN.md §6), for x (M, K), W (N, K), dy (M, N):
+Numerics (docs/design.md §6), for x (M, K), W (N, K), dy (M, N):
   forward  y  = mx_matmul(Q_K(x), W_fwd)                 x blocked along K, W_fwd along K
   dgrad    dx = mx_matmul(Q_N(dy), W_bwd.t())            dy along N, W_bwd along N
   wgrad    dW = mx_matmul(Q_M(dy).t(), Q_M(x).t())       both along M (tokens)
@@ -163,10 +163,10 @@ class _MXGroupedFn(torch.autograd.Function):
 
 def check_layer_args(op: str, x, x_arg: str, weight, weight_shape: str, recipe,
                      name: Optional[str]) -> QuantRecipe:
-    """The arguments every zrw layer shares, each refused with an error naming it (DESIGN.md §8):
-    TypeError for a wrong type or dtype, ValueError for a wrong rank. `weight_shape` is the
-    weight's layout, "(N, K)" or "(E, N, K)"; its rank is the number of its letters. Returns the
-    recipe (a QuantRecipe, or the one registered under a str name)."""
+    """The arguments every zrw layer shares, each refused with an error naming it
+    (docs/design.md §8): TypeError for a wrong type or dtype, ValueError for a wrong rank.
+    `weight_shape` is the weight's layout, "(N, K)" or "(E, N, K)"; its rank is the number of its
+    letters. Returns the recipe (a QuantRecipe, or the one registered under a str name)."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
     if not isinstance(x, Tensor):
