@@ -2,8 +2,7 @@
 ZRW_TEST_OPS on, the default, the test-only libzrw_npu_test_ops in build/test_ops/, outside it).
 
 Everything about the build graph lives in CMakeLists.txt. This file only passes what Python
-knows: torch's include and library directories, its C++ ABI flag, whether it has CUDA and
-whether torch_npu imports.
+knows: torch's include and library directories and its C++ ABI flag.
 Build against the installed torch with `pip install --no-build-isolation .` (or `-e .`).
 """
 import os
@@ -41,9 +40,9 @@ class CMakeBuild(build_ext):
 
 
 def cmake_args(out_dir, cfg: str = "Release") -> list:
-    """The -D arguments of the CMake configure step: what only Python knows, plus the ZRW_CUDA /
-    ZRW_NPU / ZRW_TEST_OPS options from the environment. A function so that tests can configure
-    with them."""
+    """The -D arguments of the CMake configure step: what only Python knows, plus the
+    ZRW_TEST_OPS option from the environment. A function so that tests can configure with
+    them."""
     try:
         import torch
         from torch.utils import cpp_extension
@@ -59,23 +58,12 @@ def cmake_args(out_dir, cfg: str = "Release") -> list:
         "-DZRW_TORCH_INCLUDE_DIRS=" + ";".join(cpp_extension.include_paths()),
         f"-DZRW_TORCH_LIBRARY_DIR={Path(torch.__file__).parent / 'lib'}",
         f"-DZRW_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-DZRW_TORCH_CUDA={torch.version.cuda or ''}",
-        f"-DZRW_TORCH_NPU={_torch_npu_version()}",
         f"-DZRW_OUTPUT_DIR={out_dir}",
     ]
-    for opt in ("ZRW_CUDA", "ZRW_NPU", "ZRW_TEST_OPS"):
+    for opt in ("ZRW_TEST_OPS",):
         if os.environ.get(opt):
             args.append(f"-D{opt}={os.environ[opt]}")
     return args
-
-
-def _torch_npu_version() -> str:
-    """torch_npu's version if it imports here, else "" (CMake's ZRW_NPU decision needs it)."""
-    try:
-        import torch_npu
-    except Exception:  # ImportError, or an OSError/RuntimeError from CANN libraries not on the path
-        return ""
-    return str(getattr(torch_npu, "__version__", "unknown"))
 
 
 def _have(tool: str) -> bool:

@@ -72,24 +72,16 @@ def test_other_mx_block_sizes_are_refused(block_size):
         ScalingGranularity(MX, block_size)
 
 
-@pytest.mark.parametrize(
-    "stype", [ScalingGranularityEnum.PER_TENSOR, ScalingGranularityEnum.PER_CHANNEL]
-)
-def test_non_mx_granularities_take_no_block_size(stype):
-    assert ScalingGranularity(stype).block_size is None
-    assert not ScalingGranularity(stype).is_mx
-    expected = re.escape(
-        f"ScalingGranularity: block_size must be None for stype={stype.name} "
-        "(only MX scales by blocks), found [1, 1, 32]"
-    )
-    with pytest.raises(ValueError, match=expected):
-        ScalingGranularity(stype, [1, 1, 32])
+def test_mx_is_the_only_granularity():
+    # Per-tensor and per-channel scalings have no kernel in zrw: they are not offered at all.
+    assert [m.name for m in ScalingGranularityEnum] == ["MX"]
+    with pytest.raises(ValueError, match=re.escape("block_size for stype=MX must be")):
+        ScalingGranularity(MX)  # a block size is required
 
 
 def test_stype_must_be_the_enum():
     expected = re.escape(
-        "ScalingGranularity: stype must be one of ScalingGranularityEnum.MX, "
-        "ScalingGranularityEnum.PER_TENSOR, ScalingGranularityEnum.PER_CHANNEL, found 'MX'"
+        "ScalingGranularity: stype must be one of ScalingGranularityEnum.MX, found 'MX'"
     )
     with pytest.raises(ValueError, match=expected):
         ScalingGranularity("MX", [1, 1, 32])
@@ -111,38 +103,6 @@ def test_recipe_defaults_and_is_frozen():
 def test_block_32x32_follows_the_weight_granularity():
     assert recipe(weight_granularity=mx((1, 32, 32))).block_32x32
     assert not recipe(weight_granularity=mx((1, 1, 32))).block_32x32
-
-
-@pytest.mark.parametrize(
-    "stype", [ScalingGranularityEnum.PER_TENSOR, ScalingGranularityEnum.PER_CHANNEL]
-)
-@pytest.mark.parametrize(
-    "field_name, implemented",
-    [
-        ("weight_granularity", "[1, 1, 32] or [1, 32, 32]"),
-        ("act_granularity", "[1, 1, 32]"),
-        ("grad_granularity", "[1, 1, 32]"),
-    ],
-)
-def test_granularities_without_a_kernel_are_refused(field_name, implemented, stype):
-    # They used to be accepted and silently run as 1x32 MX blocks.
-    expected = re.escape(
-        f"QuantRecipe 'custom': {field_name} must be ScalingGranularityEnum.MX with block_size "
-        f"{implemented} (zrw implements MX scaling only), found ScalingGranularityEnum.{stype.name}"
-    )
-    with pytest.raises(ValueError, match=f"^{expected}$"):
-        recipe(**{field_name: ScalingGranularity(stype)})
-
-
-def test_a_registered_recipe_without_a_kernel_is_refused_when_fetched(isolated_registry):
-    @recipe_register("per-tensor")
-    def _per_tensor():
-        return recipe(name="per-tensor",
-                      weight_granularity=ScalingGranularity(ScalingGranularityEnum.PER_TENSOR))
-
-    with pytest.raises(ValueError, match=re.escape(
-            "QuantRecipe 'per-tensor': weight_granularity must be ScalingGranularityEnum.MX")):
-        get_recipe("per-tensor")
 
 
 @pytest.mark.parametrize("elem_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -8,23 +8,14 @@ device is visible (docs/design.md §2):
 * ``cuda``: no CUDA kernels exist yet; listed so that the answer has the same keys everywhere.
 * ``npu``: the adapter (PrivateUse1 kernels that call torch_npu's MX operators, csrc/npu) is built
   into ``zrw._C`` on every machine; it can run only where torch_npu provides those operators for
-  the NPU, which ``operators`` reports one by one. ``native`` says whether the separate target
-  ``zrw._C_npu`` (native Ascend C kernels, CMake option ``ZRW_NPU``) was built.
+  the NPU, which ``operators`` reports one by one. zrw has no native Ascend C kernels.
 """
 
-import importlib.util
 import sys
 
 import torch
 
 from . import _C
-
-# The native Ascend C kernels (CMake option ZRW_NPU), loaded with zrw when they were built: the
-# target exists only in such a build, so its absence is no error.
-if importlib.util.find_spec("zrw._C_npu") is not None:
-    from . import _C_npu
-else:
-    _C_npu = None
 
 MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_quantize_from_master",
           "mx_quantize_dual_from_master", "mx_quantize_block_from_master", "mx_dequantize",
@@ -66,12 +57,6 @@ def _torch_npu():
     return None if module is None else str(getattr(module, "__version__", "unknown"))
 
 
-def _native_npu():
-    if _C_npu is None:
-        return {"built": False, "kernels": []}
-    return {"built": True, "kernels": list(_C_npu.native_kernels())}
-
-
 def backends():
     """Which backends and kernels are available.
 
@@ -82,8 +67,7 @@ def backends():
         ``cpu["isa"]``, ``cpu["gemm"]`` (mx_matmul's inner GEMM: "bf16" where the CPU has native
         BF16 dot products, else "fp32"; ZRW_CPU_GEMM forces one) and ``cpu["native_bf16"]``;
         ``npu["torch_npu"]`` (its version if imported, else None),
-        ``npu["operators"]`` ({torch_npu operator: available for the NPU}) and ``npu["native"]``
-        ({"built": bool, "kernels": [...]}, the ``zrw._C_npu`` target).
+        and ``npu["operators"]`` ({torch_npu operator: available for the NPU}).
     """
     npu_kernels = _kernels("PrivateUse1")
     operators = {name: _npu_operator_available(name) for name in NPU_OPERATORS}
@@ -97,6 +81,5 @@ def backends():
             "kernels": npu_kernels,
             "torch_npu": _torch_npu(),
             "operators": operators,
-            "native": _native_npu(),
         },
     }

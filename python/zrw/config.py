@@ -47,12 +47,10 @@ ELEM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class ScalingGranularityEnum(enum.Enum):
-    """How many elements share one scale. All three describe the format; zrw's kernels implement
-    MX only, and a QuantRecipe refuses the others."""
+    """How many elements share one scale. zrw implements MX scaling only (per-tensor and
+    per-channel scalings have no kernel here, so they are not offered)."""
 
     MX = "mx"  # a block of elements shares a power-of-two (E8M0) scale
-    PER_TENSOR = "per_tensor"
-    PER_CHANNEL = "per_channel"
 
 
 @dataclass
@@ -60,7 +58,7 @@ class ScalingGranularity:
     """A scaling granularity: ``stype``, and for ``MX`` the ``block_size`` (see the module doc).
 
     ``block_size`` may be given as a list or a tuple and is stored as a tuple; it must be
-    ``[1, 1, 32]`` or ``[1, 32, 32]`` for ``MX`` and ``None`` otherwise.
+    ``[1, 1, 32]`` or ``[1, 32, 32]``.
     """
 
     stype: ScalingGranularityEnum
@@ -74,13 +72,7 @@ class ScalingGranularity:
             raise ValueError(
                 f"ScalingGranularity: stype must be one of {allowed}, found {self.stype!r}"
             )
-        if self.stype is ScalingGranularityEnum.MX:
-            self.block_size = _checked_mx_block_size(self.block_size)
-        elif self.block_size is not None:
-            raise ValueError(
-                f"ScalingGranularity: block_size must be None for stype={self.stype.name} "
-                f"(only MX scales by blocks), found {self.block_size!r}"
-            )
+        self.block_size = _checked_mx_block_size(self.block_size)
 
     @property
     def is_mx(self) -> bool:
@@ -105,10 +97,9 @@ class QuantRecipe:
 
     ``elem_dtype`` is the fp8 element format (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) and
     ``scale_mode`` the MX scale rule (``"rceil"``, the default, or ``"floor"``; see
-    ``zrw.reference`` for the rules and the module docstring for the default). Every
-    granularity must be MX (PER_TENSOR and PER_CHANNEL are refused: zrw has no kernel for them).
-    Only weights may use 32x32 tiles: activations and gradients are quantized per 1x32 block along
-    the axis each matmul reduces over.
+    ``zrw.reference`` for the rules and the module docstring for the default). Only weights
+    may use 32x32 tiles: activations and gradients are quantized per 1x32 block along the axis
+    each matmul reduces over.
     """
 
     name: str
@@ -127,19 +118,6 @@ class QuantRecipe:
                 raise ValueError(
                     f"QuantRecipe {self.name!r}: {field_name} must be a ScalingGranularity, "
                     f"found {granularity!r}"
-                )
-        # PER_TENSOR and PER_CHANNEL describe scalings of the format that zrw has no kernel for:
-        # refused here rather than run as 1x32 MX blocks behind the recipe's back.
-        for field_name, implemented in (("weight_granularity", MX_BLOCK_SIZES),
-                                        ("act_granularity", (MX_BLOCK_1x32,)),
-                                        ("grad_granularity", (MX_BLOCK_1x32,))):
-            granularity = getattr(self, field_name)
-            if not granularity.is_mx:
-                blocks = " or ".join(str(list(size)) for size in implemented)
-                raise ValueError(
-                    f"QuantRecipe {self.name!r}: {field_name} must be ScalingGranularityEnum.MX "
-                    f"with block_size {blocks} (zrw implements MX scaling only), found "
-                    f"ScalingGranularityEnum.{granularity.stype.name}"
                 )
         for field_name in ("act_granularity", "grad_granularity"):
             granularity = getattr(self, field_name)

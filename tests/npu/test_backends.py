@@ -22,7 +22,7 @@ def test_this_machine():
     assert npu["operators"] == {name: False for name in NPU_OPERATORS}  # no torch_npu here
     assert npu["available"] is False
     assert npu["torch_npu"] is None
-    assert npu["native"] == {"built": False, "kernels": []}  # ZRW_NPU=AUTO skipped _C_npu
+    assert set(npu) == {"available", "kernels", "torch_npu", "operators"}
 
 
 def test_operators_count_only_with_an_npu_kernel():
