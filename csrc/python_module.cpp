@@ -121,6 +121,14 @@ PyObject* memory_fail_next(PyObject*, PyObject* args) {
   zrw::memory::fail_next(min_bytes, skip, count);
   Py_RETURN_NONE;
 }
+PyObject* fault_injection_built(PyObject*, PyObject*) {
+#ifdef ZRW_FAULT_INJECTION
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyObject* memory_pending_failures(PyObject*, PyObject*) {
   return PyLong_FromLongLong(zrw::memory::pending_failures());
 }
@@ -155,6 +163,8 @@ PyMethodDef zrw_methods[] = {
     {"memory_peak", memory_peak, METH_NOARGS, "Peak live CPU bytes since install or reset."},
     {"memory_fail_next", memory_fail_next, METH_VARARGS,
      "Fault injection: of the allocations of >= min_bytes, skip some, then fail `count` (OOM)."},
+    {"fault_injection_built", fault_injection_built, METH_NOARGS,
+     "Whether this build has fault injection (a test build: ZRW_TEST_OPS=ON)."},
     {"memory_pending_failures", memory_pending_failures, METH_NOARGS,
      "Injected failures not yet consumed."},
     {"memory_reset_peak", memory_reset_peak, METH_NOARGS, "Set the peak to the current bytes."},

@@ -49,6 +49,12 @@ def test_fail_allocations_argument_errors(arg):
     assert zrw.testing.pending_failures() == 0
 
 
+def test_this_test_build_has_fault_injection():
+    # ZRW_TEST_OPS=ON (the default) compiles it into _C; a packaged build (OFF) does not, and
+    # fail_allocations then says so.
+    assert zrw._C.fault_injection_built() is True
+
+
 def test_fail_allocations_needs_the_counting_allocator():
     out = run_child("""
         import zrw.testing

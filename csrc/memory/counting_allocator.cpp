@@ -70,7 +70,13 @@ class CountingAllocator final : public c10::Allocator {
     c10::DeleterFnPtr base_deleter;
   };
 
+  // Compiled only into a test build (ZRW_TEST_OPS=ON, the default for a build from a clone, which
+  // defines ZRW_FAULT_INJECTION); a packaged build has no fault injection on its allocation path.
   void maybe_inject_failure(size_t n) {
+#ifndef ZRW_FAULT_INJECTION
+    (void)n;
+  }
+#else
     if (fail_count_.load() <= 0) return;  // the common case: one atomic load
     {
       std::lock_guard<std::mutex> lock(fail_mu_);
@@ -84,6 +90,7 @@ class CountingAllocator final : public c10::Allocator {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.testing: injected allocation failure (",
                      n, " bytes; zrw.testing.fail_allocations)");
   }
+#endif
 
   c10::Allocator* base_;
   std::mutex fail_mu_;

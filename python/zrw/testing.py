@@ -28,14 +28,18 @@ def _non_negative_int(fn: str, name: str, value) -> int:
 
 @contextlib.contextmanager
 def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iterator[None]:
-    """Fault injection: within the block, of the CPU allocations of at least `min_bytes`, the
-    first `after` succeed and the `count` after them raise torch.OutOfMemoryError, as a real
-    out-of-memory would. Needs zrw.memory's counting allocator: allocations go through it only
-    once zrw.memory.install() ran (a storage created earlier keeps the allocator it had). On
-    exit the failures not yet consumed are cancelled."""
+    """Fault injection (test builds only, ZRW_TEST_OPS=ON): within the block, of the CPU
+    allocations of at least `min_bytes`, the first `after` succeed and the `count` after them
+    raise torch.OutOfMemoryError, as a real out-of-memory would. Needs zrw.memory's counting
+    allocator: allocations go through it only once zrw.memory.install() ran (a storage created
+    earlier keeps the allocator it had). On exit the failures not yet consumed are cancelled."""
     min_bytes = _non_negative_int("fail_allocations", "min_bytes", min_bytes)
     count = _non_negative_int("fail_allocations", "count", count)
     after = _non_negative_int("fail_allocations", "after", after)
+    if not _C.fault_injection_built():
+        raise RuntimeError(
+            "zrw.testing.fail_allocations: this build of zrw has no fault injection (it is "
+            "compiled into test builds only: build with ZRW_TEST_OPS=ON, the default)")
     if not memory.installed():
         raise RuntimeError(
             "zrw.testing.fail_allocations: the counting allocator is not installed: call "
