@@ -46,7 +46,7 @@ import zrw
 from zrw import cache, ops, testing
 from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording
 from zrw.demo import DemoConfig, build_model, make_batches
-from zrw.nn import MXLinear
+from zrw.nn import MXLinear, functional
 from zrw.nn.linear import cache_recipe
 from zrw.optim import MasterWeights, attach
 
@@ -79,16 +79,16 @@ def _time(fn, repeat: int) -> float:
     return min(t, best_of(fn, repeat, 0))
 
 
-_PARTS = {"quant_and_release": "weight", "mx_quantize_dual": "act_quant",
-          "mx_matmul": "matmul_emu"}
-_MODULE_OF = {"quant_and_release": cache, "mx_quantize_dual": ops, "mx_matmul": ops}
+# The functions a layer's step calls, looked up at call time: the cache lookup in zrw.cache, and
+# the op overloads zrw.nn.functional's autograd functions call.
+_PARTS = {"quant_and_release": "weight", "_quantize_dual": "act_quant", "_matmul": "matmul_emu"}
+_MODULE_OF = {"quant_and_release": cache, "_quantize_dual": functional, "_matmul": functional}
 
 
 def _instrumented(fn, repeat: int, before=None) -> dict:
     """Times fn (a training step) and, inside that very step, the time spent in the ops it
-    calls through zrw.ops and zrw.cache (the layers look them up there at call time). The parts
-    of the run
-    with the best total are returned, with other = total - parts."""
+    calls (_PARTS). The parts of the run with the best total are returned, with other = total -
+    parts."""
     best = None
     for i in range(repeat + 1):  # the first run is the warm-up
         parts = {v: 0.0 for v in _PARTS.values()}
