@@ -9,8 +9,6 @@ they run one after the other in one launch, and rank 0 writes the list of their 
 updated weights, gathered planes, all-gather bytes counted at the process group, shard
 quantization counts, zrw.fsdp's warnings).
 """
-import shlex
-import sys
 import warnings
 
 import torch
@@ -135,17 +133,9 @@ def parser():
     ap.add_argument("--no-reshard", action="store_true")
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
-    ap.add_argument("--run", action="append", default=[],
-                    help="one run's flags (repeatable); without it, the command line's run")
     return ap
 
 
-def runs(args):
-    if not args.run:
-        return run(args)
-    base = sys.argv[1:]
-    return [run(parser().parse_args(base + shlex.split(flags))) for flags in args.run]
-
-
 if __name__ == "__main__":
-    worker.main(runs, parser().parse_args(), quiet=False)
+    ap = parser()
+    worker.main(worker.each_run(run, ap), ap.parse_args(), quiet=False)

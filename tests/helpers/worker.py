@@ -3,7 +3,9 @@ tests/fsdp/*_worker.py) shares, so that each keeps only what it tests. helpers.r
 side: the test that launches the ranks and loads what rank 0 wrote.
 
   parser()        the common flags: --rank --world --port --out (filled in by ranks.launch),
-                  --recipe --steps --micro-batches (alias --micro) --lr
+                  --recipe --steps --micro-batches (alias --micro) --lr, and --run FLAGS
+                  (repeatable): several runs, each its flags on top of the command line's, in
+                  one launch (each_run)
   main(body, ..)  a worker's entry point: one thread, the gloo process group (env:// on
                   127.0.0.1), body(args) on every rank, rank 0 saves its result to --out, then
                   teardown; an exception prints its traceback and ends the rank with status 1
@@ -21,6 +23,7 @@ side: the test that launches the ranks and loads what rank 0 wrote.
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import traceback
 import warnings
@@ -42,7 +45,21 @@ def parser(doc=None, *, world=2, recipe="mxfp8", steps=3, micro_batches=2, lr=1e
     ap.add_argument("--micro-batches", "--micro", dest="micro_batches", type=int,
                     default=micro_batches)
     ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--run", action="append", default=[], metavar="FLAGS",
+                    help="one run's flags on top of the command line's (repeatable): the runs "
+                         "go one after the other in one launch, rank 0 saves the list of their "
+                         "results; without --run, the command line's run")
     return ap
+
+
+def each_run(run, ap):
+    """A body for main(): run(args) once per --run, with that run's flags parsed (by `ap`) on
+    top of the command line's, the list of results; without --run, run(args) alone."""
+    def body(args):
+        if not args.run:
+            return run(args)
+        return [run(ap.parse_args(sys.argv[1:] + shlex.split(flags))) for flags in args.run]
+    return body
 
 
 def main(body, args, *, distributed=True, quiet=True, hf=False):
@@ -168,12 +185,15 @@ def count_gathered_bytes():
     from torch.distributed import ProcessGroup
 
     counts = {"bytes": 0, "sizes": []}
+    # What the class itself holds is put back: for pybind's methods a descriptor, where
+    # getattr(ProcessGroup, meth) gives the plain function, which set back on the class would
+    # no longer bind `self` (every collective after the block would then fail).
     saved = {}
     for meth in ("all_gather_single", "_allgather_base"):
         orig = getattr(ProcessGroup, meth, None)
         if orig is None:
             continue
-        saved[meth] = orig
+        saved[meth] = ProcessGroup.__dict__[meth]
 
         def wrapper(self, out, inp, *a, _orig=orig, **k):
             n = out.numel() * out.element_size()
