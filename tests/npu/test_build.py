@@ -17,10 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed"),
-]
+pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 # What this machine lacks, which the AUTO/ON tests expect to be missing.
 npu_toolchain_absent = pytest.mark.skipif(
     importlib.util.find_spec("torch_npu") is not None
