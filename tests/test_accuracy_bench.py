@@ -37,7 +37,6 @@ def test_spread_says_when_seeds_disagree():
     assert "one seed decides nothing" in accuracy.verdict(accuracy.spread([1.0]), "x")
 
 
-@pytest.mark.slow
 def test_bench_accuracy_tiny(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "zrw.bench", "accuracy", "--setting", "tiny", "--json",

@@ -168,7 +168,6 @@ def test_bench_linear_json():
             assert positive(rec[kind]["total"]) and positive(rec[kind]["matmul_emu"])
 
 
-@pytest.mark.slow
 def test_bench_fsdp_json_counts_exact_bytes():
     # 2 ranks (gloo), 2 layers of 64 x 64, one step of one micro-batch: each weight is gathered
     # for forward and again for backward. BF16: 2 bytes per element; mxfp8: one FP8 plane per
@@ -193,6 +192,9 @@ def test_bench_fsdp_json_counts_exact_bytes():
     assert r["rfc_target_gather_time_reduction"] == [0.2, 0.3]
 
 
+# -m slow: the frozen base released for good (FP8 only, release on = off) is tested in the
+# default run by tests/hf/test_peft.py (test_frozen_base_released_for_good,
+# test_lora_under_trainer_checkpoints); this runs the benchmark's three modes under Trainer.
 @pytest.mark.slow
 def test_bench_hf_lora_frozen_base_holds_only_its_fp8_copy():
     """bench hf (PEFT LoRA under Trainer, a tiny Qwen3, mxfp8-32x32): between steps the frozen

@@ -225,7 +225,6 @@ _ACCESS_KEYS = ["sum", "add", "inplace_add_nograd", "inplace_add_data", "clone",
                 "copy_in"]
 
 
-@pytest.mark.slow
 def test_every_access_to_released_weight_raises_named_error():
     """sum, in-place add, clone, print/repr, torch.save of a state_dict, F.linear, ... each raise
     zrw's error naming the weight and the fix; run in a child process so that a segfault (rc -11)

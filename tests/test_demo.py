@@ -17,7 +17,6 @@ TINY = dict(steps=2, micro_batches=2, batch=2, seq=32, hidden=64, layers=1, voca
             experts=4, progress=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_saving_equals_released_bytes_and_losses_match(model, recipe):
@@ -72,7 +71,6 @@ def test_bad_arguments_are_refused():
         demo.main(["--recipe", "mxfp4", "--no-progress"])
 
 
-@pytest.mark.slow
 def test_bf16_free_step_saves_2n_where_the_optimizer_step_is_the_peak():
     """Few tokens: the FP32 masters and Adam moments make the optimizer step the global peak.
     There the seed's restore saves nothing (its FP8 copies live through the inner step, BF16 is

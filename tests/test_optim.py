@@ -115,7 +115,6 @@ def runs(request):
     return recipe, on, off
 
 
-@pytest.mark.slow  # shares the module-scoped training runs (a few seconds per recipe)
 def test_release_on_off_bitwise_identical(runs):
     recipe, on, off = runs
     assert len(on["losses"]) == STEPS * MICRO
@@ -128,7 +127,6 @@ def test_release_on_off_bitwise_identical(runs):
     assert all(not same_bits(a, b) for a, b in zip(on["weights"], init))
 
 
-@pytest.mark.slow  # shares the module-scoped training runs (a few seconds per recipe)
 def test_bytes_released_are_the_bf16_bytes_of_the_weights(runs):
     recipe, on, off = runs
     total = sum(on["bf16_bytes"])
@@ -148,7 +146,6 @@ def test_bytes_released_are_the_bf16_bytes_of_the_weights(runs):
         assert s_off["current"] - s_on["current"] == total
 
 
-@pytest.mark.slow  # shares the module-scoped training runs (a few seconds per recipe)
 def test_peak_drops_by_released_bf16_bytes(runs):
     recipe, on, off = runs
     total = sum(on["bf16_bytes"])

@@ -160,8 +160,8 @@ def test_quantize_config_applied_by_the_model_converter():
         convert_model(_model(), "mxfp8")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
+# -m slow: the second recipe (release on = off for mxfp8-32x32 is tests/nn/test_models.py's).
+@pytest.mark.parametrize("recipe", ["mxfp8", pytest.param("mxfp8-32x32", marks=pytest.mark.slow)])
 def test_functional_acceptance_example(recipe):
     """examples/rfc_functional.py, the RFC's functional acceptance: loads the config, trains a
     Qwen3 with the RFC's names, release on and off give the same losses."""

@@ -1,5 +1,5 @@
 """DCP checkpointing of a zrw FSDP2 model and DDP with released weights: real 2-rank runs (gloo on
-CPU), each launching tests/fsdp/dcp_ddp_worker.py twice (ranks 0 and 1)."""
+CPU) of tests/fsdp/dcp_ddp_worker.py (ranks 0 and 1): one launch runs both tasks."""
 import io
 import os
 
@@ -10,21 +10,25 @@ from torch.distributed.checkpoint import FileSystemReader
 from helpers import ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_ddp_worker.py")
-pytestmark = pytest.mark.slow
 
 
-def launch(tmp_path, *args, **kwargs):
-    return ranks.launch(WORKER, tmp_path, *args, **kwargs)
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("dcp") / "ckpt"
 
 
-def test_dcp_save_load_resumes_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def runs(ckpt):
+    return ranks.launch(WORKER, ckpt.parent, "--tasks", "dcp,ddp", "--ckpt", str(ckpt))
+
+
+def test_dcp_save_load_resumes_bitwise(runs, ckpt):
     # 2 steps, dcp.save(model + optimizer state dicts), 2 more steps; a fresh model (another
     # seed, convert + prepare + fully_shard) and optimizer dcp.load + set_state_dict and run the
     # same 2 steps: the same losses and weights, bitwise. Both recipes, in one launch.
-    runs = launch(tmp_path, "--task", "dcp", "--ckpt", str(tmp_path / "ckpt"))
-    assert sorted(runs) == ["mxfp8", "mxfp8-32x32"]
-    for recipe, r in runs.items():
-        _check_dcp(tmp_path / "ckpt" / recipe, r)
+    assert sorted(runs["dcp"]) == ["mxfp8", "mxfp8-32x32"]
+    for recipe, r in runs["dcp"].items():
+        _check_dcp(ckpt / recipe, r)
 
 
 def _check_dcp(ckpt, r):
@@ -50,10 +54,10 @@ def _check_dcp(ckpt, r):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), idx.fqn
 
 
-def test_ddp_release_on_equals_release_off_bitwise(tmp_path):
+def test_ddp_release_on_equals_release_off_bitwise(runs):
     # DDP is constructed before the first forward (its construction broadcasts the parameters'
     # data); release off, on, and on with gradient_as_bucket_view=True run in one launch.
-    r = launch(tmp_path, "--task", "ddp")
+    r = runs["ddp"]
     on, off, view = r["on"], r["off"], r["view"]
     # The weights really are released inside every step (all three MXLinear weights, bf16)...
     n_bytes = 2 * (128 * 256 + 256 * 256 + 256 * 128)
@@ -72,6 +76,6 @@ def test_ddp_constructed_after_a_released_forward_errors_clearly(tmp_path):
     # DDP broadcasts the parameters' data at construction: after a forward has released them
     # that is a clear zrw error, not a broadcast of garbage. Construct DDP before the first
     # forward (or under zrw.no_release()).
-    procs, logs = launch(tmp_path, "--task", "ddp", "--late-ddp", expect_ok=False)
+    procs, logs = ranks.launch(WORKER, tmp_path, "--late-ddp", expect_ok=False)
     assert any(p.returncode != 0 for p in procs)
     assert any("is released" in log for log in logs), logs[0][-3000:]

@@ -1,9 +1,9 @@
 """FSDP2 with zrw's MXFP8 all-gather: real 2-rank runs (gloo on CPU), spawned by the test.
 
-Each case launches tests/fsdp/fsdp_worker.py twice (ranks 0 and 1) and compares what rank 0
-writes with the single-process zrw run on the same global batch and with FSDP2's plain BF16
-all-gather of the same model. Bytes are counted by the worker's own wrapper of the process
-group's all-gather (not by zrw)."""
+One launch of tests/fsdp/fsdp_worker.py (ranks 0 and 1) runs every configuration below one after
+the other (RUNS); each test compares what rank 0 wrote with the single-process zrw run on the
+same global batch and with FSDP2's plain BF16 all-gather of the same model. Bytes are counted by
+the worker's own wrapper of the process group's all-gather (not by zrw)."""
 import subprocess
 import sys
 
@@ -16,23 +16,42 @@ from helpers.fsdp_runs import (
     WORKER,
     assert_trains_like_bf16_gather_and_single_process,
     initial_weight,
-    single,
 )
 
-pytestmark = pytest.mark.slow
+RECIPES = {"mxfp8": 0.52, "mxfp8-32x32": 0.51}  # recipe: the all-gather byte ratio's limit
+SGD = "--opt sgd --lr 0.5"
 
 
-def launch(tmp_path, *args, **kwargs):
-    return ranks.launch(WORKER, tmp_path, *args, **kwargs)
+def recipe_args(recipe):
+    # the MoE model: fc1, fc2 and an expert stack (the dense layers' checks included)
+    return f"--recipe {recipe} --moe"
 
 
-@pytest.mark.parametrize("recipe,limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
-@pytest.mark.parametrize("moe", [False, True])
-def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe, limit, moe):
-    args = ["--recipe", recipe] + (["--moe"] if moe else [])
-    z = launch(tmp_path, *args, "--mode", "zrw", "--opt", "sgd", "--lr", "0.5")
-    b = launch(tmp_path, *args, "--mode", "bf16", "--opt", "sgd", "--lr", "0.5")
-    s = single(tmp_path, *args, "--opt", "sgd", "--lr", "0.5")
+RUNS = {}
+for _recipe in RECIPES:
+    for _mode in ("zrw", "bf16", "single"):
+        RUNS[f"{_recipe}_{_mode}"] = f"{recipe_args(_recipe)} --mode {_mode} {SGD}"
+RUNS.update({
+    "ref": "--recipe mxfp8 --mode zrw",
+    "ckpt": "--recipe mxfp8 --mode zrw --checkpoint --both-planes",
+    "keep": "--recipe mxfp8 --mode zrw --no-reshard --both-planes",
+})
+for _moe in ("", "_moe"):  # fc1 has 48 rows: 24 per rank, not whole 32-row blocks
+    for _mode in ("zrw", "bf16"):
+        RUNS[f"uneven{_moe}_{_mode}"] = (f"--recipe mxfp8 --hidden 48 --mode {_mode}"
+                                         + (" --moe" if _moe else ""))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    args = [a for flags in RUNS.values() for a in ("--run", flags)]
+    return dict(zip(RUNS, ranks.launch(WORKER, tmp_path_factory.mktemp("fsdp"), *args)))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_all_gather_matches_single_process_and_halves_bytes(runs, recipe):
+    z, b, s = (runs[f"{recipe}_{m}"] for m in ("zrw", "bf16", "single"))
+    args = recipe_args(recipe).split()
 
     # After the last reshard no gathered plane holds memory (FSDP2 frees what it gathered).
     assert z["resident_plane_bytes"] and not any(z["resident_plane_bytes"].values())
@@ -53,34 +72,30 @@ def test_fp8_all_gather_matches_single_process_and_halves_bytes(tmp_path, recipe
         for k, v in ref.items():
             assert torch.equal(got[k], v.contiguous().view(torch.uint8)), (name, k)
 
-    # Quantized once per optimizer step per weight (3 steps x 2 micro-batches x 2 gathers each).
-    n_weights = 2 + (2 if moe else 0)
-    assert z["quantizations"] == 3 * n_weights
+    # Quantized once per optimizer step per weight (3 steps x 2 micro-batches x 2 gathers each):
+    # fc1, fc2 and the two expert stacks.
+    assert z["quantizations"] == 3 * 4
     ratio = [zb / bb for zb, bb in zip(z["per_step_bytes"], b["per_step_bytes"])]
-    assert all(r <= limit for r in ratio), ratio
+    assert all(r <= RECIPES[recipe] for r in ratio), ratio
     assert z["warnings"] == []
 
 
-def test_activation_checkpointing_and_no_reshard_need_both_planes(tmp_path):
-    ref = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw")
-    ckpt = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw", "--checkpoint", "--both-planes")
+def test_activation_checkpointing_and_no_reshard_need_both_planes(runs, tmp_path):
+    ref, ckpt, keep = runs["ref"], runs["ckpt"], runs["keep"]
     assert ckpt["losses"] == ref["losses"]
     for n in ref["weights"]:
         assert torch.equal(ckpt["weights"][n], ref["weights"][n]), n
-    keep = launch(tmp_path, "--recipe", "mxfp8", "--mode", "zrw", "--no-reshard", "--both-planes")
     assert keep["losses"] == ref["losses"]
     # Without both planes, recompute finds only the backward plane: a clear error, not garbage.
-    procs, logs = launch(tmp_path, "--mode", "zrw", "--checkpoint", expect_ok=False)
+    procs, logs = ranks.launch(WORKER, tmp_path, "--mode", "zrw", "--checkpoint",
+                               expect_ok=False)
     assert any(p.returncode != 0 for p in procs)
     assert any("both_planes=True" in log for log in logs), logs[0][-3000:]
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_uneven_shards_warn_and_stay_correct(tmp_path, moe):
-    # fc1 has 48 rows: 24 per rank, not whole 32-row blocks.
-    args = ["--recipe", "mxfp8", "--hidden", "48"] + (["--moe"] if moe else [])
-    z = launch(tmp_path, *args, "--mode", "zrw")
-    b = launch(tmp_path, *args, "--mode", "bf16")
+def test_uneven_shards_warn_and_stay_correct(runs, moe):
+    z, b = (runs[f"uneven{'_moe' if moe else ''}_{m}"] for m in ("zrw", "bf16"))
     assert any("fc1.weight" in w and "whole 32-row blocks" in w for w in z["warnings"])
     # fc2 has K = 48 and, with --moe, the expert stacks have N = 48 (gate_up_proj) and K = 24
     # (down_proj): their two scale planes differ in size, the smaller one travels padded and is

@@ -1,31 +1,37 @@
 """FSDP2's MXFP8 all-gather quantizes with the layer's own QuantRecipe: a registered recipe's
 element dtype (e5m2) and scale rule (rceil) reach the hooks, for both weight layouts.
 
-Real 2-rank runs (gloo on CPU) of tests/fsdp/fsdp_worker.py, compared as tests/fsdp/test_fsdp.py
-does: bitwise with FSDP2's plain BF16 all-gather of the same model (whose layers quantize the
-gathered weight with their recipe), the gathered planes byte for byte with the single-process
-quantization of the full weight under the recipe, and the single-process run up to the order
-of the gradient reduction."""
+Real 2-rank runs (gloo on CPU) of tests/fsdp/fsdp_worker.py (one launch: for each recipe the
+zrw, bf16 and single-process runs), compared as tests/fsdp/test_fsdp.py does: bitwise with
+FSDP2's plain BF16 all-gather of the same model (whose layers quantize the gathered weight with
+their recipe), the gathered planes byte for byte with the single-process quantization of the
+full weight under the recipe, and the single-process run up to the order of the gradient
+reduction."""
 import pytest
 import torch
 
 import zrw
 from helpers import fsdp_runs, ranks
 
-WORKER = fsdp_runs.WORKER
-pytestmark = pytest.mark.slow  # three 2-rank launches per recipe: about 25 s each
-ARGS = ["--steps", "2", "--micro-batches", "1", "--opt", "sgd", "--lr", "0.5"]
+ARGS = "--steps 2 --micro-batches 1 --opt sgd --lr 0.5"
+MODES = ("zrw", "bf16", "single")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    args = [a for recipe in fsdp_runs.TEST_RECIPES for mode in MODES
+            for a in ("--run", f"--recipe {recipe} --mode {mode} {ARGS}")]
+    out = iter(ranks.launch(fsdp_runs.WORKER, tmp_path_factory.mktemp("recipe"), *args))
+    return {recipe: {mode: next(out) for mode in MODES} for recipe in fsdp_runs.TEST_RECIPES}
 
 
 @pytest.mark.parametrize("recipe", list(fsdp_runs.TEST_RECIPES))
-def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(tmp_path, recipe):
+def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(runs, recipe):
     fsdp_runs.register_test_recipes()
     rcp = zrw.get_recipe(recipe)
     assert (rcp.elem_dtype, rcp.scale_mode) == (torch.float8_e5m2, "rceil")
-    args = ["--recipe", recipe, *ARGS]
-    z = ranks.launch(WORKER, tmp_path, *args, "--mode", "zrw")
-    b = ranks.launch(WORKER, tmp_path, *args, "--mode", "bf16")
-    s = fsdp_runs.single(tmp_path, *args)
+    args = ["--recipe", recipe, *ARGS.split()]
+    z, b, s = (runs[recipe][m] for m in MODES)
 
     # The gathered planes are the recipe's quantization of the full weight, byte for byte (and
     # not the built-in recipe's, e4m3 with its scale rule: the comparison can tell them apart).

@@ -4,6 +4,7 @@ a spawned worker script gets the same through its environment (`child_env()`), n
 sys.path.insert.
 
   ranks           launching the 2- and 4-rank worker scripts (gloo on CPU), free ports
+  worker          the worker scripts' side: flags, process group, meshes, training loop
   fsdp_runs       the FSDP2 tests' model, recipes and the runs compared with each other
   models          tiny Hugging Face Qwen3 / Qwen3-MoE models converted and trained with zrw
   quant           byte-for-byte comparison of MX quantizations, stable seeds, CPU kernel builds

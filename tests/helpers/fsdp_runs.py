@@ -1,17 +1,14 @@
 """The FSDP2 tests' model and recipes (tests/fsdp/fsdp_worker.py and dcp_ddp_worker.py train it on
-2 ranks) and the runs test_fsdp.py and test_fsdp_recipe.py compare: the single-process run on the
-global batch, the worker's initial weights, and what must hold between an FP8 all-gather run, the
-BF16 all-gather run and the single-process run."""
+2 ranks; fsdp_worker.py's --mode single on one) and what test_fsdp.py and test_fsdp_recipe.py
+compare: the worker's initial weights, and what must hold between an FP8 all-gather run, the
+BF16 all-gather run and the single-process run on the global batch."""
 import argparse
 import os
-import random
-import subprocess
-import sys
 
 import torch
 from torch import nn
 
-from helpers import TESTS, child_env
+from helpers import TESTS
 
 WORKER = os.path.join(TESTS, "fsdp", "fsdp_worker.py")
 
@@ -87,14 +84,6 @@ def build(args):
             p.copy_(p.to(torch.bfloat16).float())
     zrw.convert(model, args.recipe, release=False, skip=("router",))
     return model
-
-
-def single(tmp_path, *args):
-    out = str(tmp_path / f"s{random.randrange(1 << 30)}.pt")
-    r = subprocess.run([sys.executable, WORKER, "--mode", "single", "--out", out, *args],
-                       capture_output=True, text=True, timeout=600, env=child_env())
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(out)
 
 
 def initial_weight(name, args):

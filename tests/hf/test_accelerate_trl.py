@@ -14,7 +14,6 @@ import zrw  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16
-pytestmark = pytest.mark.slow
 
 
 def tiny_qwen3(seed=0):

@@ -19,7 +19,6 @@ from zrw import cache  # noqa: E402
 from zrw.nn import MXLinear  # noqa: E402
 
 BF16 = torch.bfloat16
-pytestmark = pytest.mark.slow
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 

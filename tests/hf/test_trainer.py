@@ -20,7 +20,6 @@ import zrw  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16
-pytestmark = pytest.mark.slow
 
 
 class Tokens(torch.utils.data.Dataset):

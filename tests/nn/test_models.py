@@ -221,7 +221,6 @@ def _learn(convert_recipe, batches):
     return losses
 
 
-@pytest.mark.slow
 def test_learnable_run_tracks_bf16():
     steps = 100
     batches = _pair_task(steps)
@@ -420,7 +419,7 @@ def test_compiled_deep_model_compiles_each_layer_code_once():
         torch._dynamo.reset()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # -m slow: compile = eager bitwise is test_compiled_mlp_matches_eager's
 def test_compiled_qwen3_matches_eager():
     batches = make_batches(2, 2, seed=9)
     runs = []

@@ -17,10 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed"),
-]
+pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+
+
 def setup_py():
     spec = importlib.util.spec_from_file_location("zrw_setup_py", ROOT / "setup.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""One rank of the expert-parallel-inside-FSDP2 test (spawned by test_fsdp_tp.py: 2 ranks, gloo).
+"""One rank of the expert-parallel-inside-FSDP2 test (spawned by test_fsdp_2d.py: 2 ranks, gloo).
 
 torchtitan's MoE layout through transformers' own engine: a tiny Qwen3-MoE whose experts are
 sharded over EP (ep_size=2, `ep_dispatch_experts` with the all-to-all token exchange: the
@@ -7,15 +7,12 @@ its mixed precision: FP32 shards, BF16 compute). zrw's order: zrw.convert, zrw.f
 then the engine (zrw.parallel.apply_plan, which runs what from_pretrained(...,
 distributed_config=...) runs). Modes: zrw with release on and off, bf16 (the same model without
 zrw: FSDP2's BF16 all-gather), and rank 0 alone unsharded (zrw, release on) on the global batch.
+Several --run's (one per recipe) go in one launch (helpers.worker).
 """
-import argparse
-import os
-import warnings
-
 import torch
 import torch.distributed as dist
 
-from helpers import ranks
+from helpers import worker
 
 VOCAB = 128
 
@@ -33,9 +30,8 @@ def build(seed=0):
 
 def batches(args):
     """Per step and micro-batch, the global batch: one sequence of 16 tokens per rank."""
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (args.world, 16), generator=g)
-            for _ in range(args.steps * args.micro_batches)]
+    return worker.batches(args.steps * args.micro_batches,
+                          lambda g: torch.randint(0, VOCAB, (args.world, 16), generator=g))
 
 
 def converted(model):
@@ -70,21 +66,16 @@ def run_sharded(args, mode):
     opt = zrw.optim.attach(torch.optim.AdamW(model.parameters(), lr=args.lr), fill="dequant")
     rank = dist.get_rank()
     data = batches(args)
-    losses, per_step = [], []
+
+    def loss_of(step, mb):
+        ids = data[step * args.micro_batches + mb][rank:rank + 1]
+        return model(input_ids=ids, labels=ids).loss
+
     q0 = zrw.fsdp.stats()["shard_quantizations"]
-    with ranks.count_gathered_bytes() as counts:
-        for step in range(args.steps):
-            before = counts["bytes"]
-            for mb in range(args.micro_batches):
-                ids = data[step * args.micro_batches + mb][rank:rank + 1]
-                loss = model(input_ids=ids, labels=ids).loss / args.micro_batches
-                loss.backward()
-                t = loss.detach().clone()
-                dist.all_reduce(t)
-                losses.append(t.item() / args.world)
-            per_step.append(counts["bytes"] - before)
-            opt.step()
-            opt.zero_grad()
+    with worker.count_gathered_bytes() as counts:
+        losses, per_step = worker.train(opt, range(args.steps), args.micro_batches, loss_of,
+                                        group=dist.group.WORLD, world=args.world,
+                                        gathered=counts)
     stats = zrw.cache.cache_stats()
     return {"losses": losses, "per_step_bytes": per_step, "calls": counts["sizes"],
             "layer_other_bytes": 2 * other,
@@ -92,8 +83,7 @@ def run_sharded(args, mode):
             "quantizations": zrw.fsdp.stats()["shard_quantizations"] - q0,
             "cache_entries": stats["entries"], "restored_bytes": stats["restored_bytes"],
             "expert_placements": expert_placements,
-            "weights": {n: p.full_tensor().detach().float()
-                        for n, p in model.named_parameters()}}
+            "weights": worker.full_weights(model)}
 
 
 def run_single(args):
@@ -105,44 +95,24 @@ def run_single(args):
     zrw.convert(model, args.recipe)
     model = model.to(torch.bfloat16)
     opt = zrw.optim.AdamW(model.parameters(), lr=args.lr)
-    losses = []
     data = batches(args)
-    for step in range(args.steps):
-        for mb in range(args.micro_batches):
-            ids = data[step * args.micro_batches + mb]
-            per_seq = [model(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss
-                       for r in range(args.world)]
-            loss = sum(per_seq) / args.world / args.micro_batches
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+
+    def loss_of(step, mb):
+        ids = data[step * args.micro_batches + mb]
+        return sum(model(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss
+                   for r in range(args.world)) / args.world
+
+    return worker.train(opt, range(args.steps), args.micro_batches, loss_of)[0]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--port", type=int, default=29555)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--recipe", default="mxfp8")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+def run(args):
     out = {mode: run_sharded(args, mode) for mode in ("on", "off", "bf16")}
     if args.rank == 0:
         out["single_losses"] = run_single(args)
-        torch.save(out, args.out)
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 if __name__ == "__main__":
-    ranks.exit_after(main)
+    ap = worker.parser(__doc__)
+    worker.main(worker.each_run(run, ap), ap.parse_args(), hf=True)

@@ -1,24 +1,24 @@
-"""One rank of the FSDP2 x TP tests (spawned by test_fsdp_tp.py: 4 ranks, gloo on CPU).
+"""One rank of the FSDP2 x TP tests (spawned by test_fsdp_2d.py: 4 ranks, gloo on CPU).
 
 torchtitan's layout on one 2-D DeviceMesh ("dp", "tp") = (2, 2): a stack of MLP blocks (fc1
 ColwiseParallel, fc2 RowwiseParallel, on mesh["tp"] with parallelize_module), then fully_shard
 on mesh["dp"] per block and on the root, FP32 parameters with a BF16 param_dtype (the FP32
-sharded parameters are the masters), AdamW with zrw's boundary. Modes:
-  zrw      zrw.convert, parallelize_module, zrw.fsdp.prepare, fully_shard (MXFP8 all-gather)
+sharded parameters are the masters), AdamW with zrw's boundary. --task train runs the modes
+  zrw      zrw.convert, parallelize_module, zrw.fsdp.prepare, fully_shard (MXFP8 all-gather),
+           release on and off
   bf16     the same model without zrw (FSDP2's BF16 all-gather): the byte reference
   single   rank 0 alone: the unsharded zrw run on the global batch (MasterWeights(AdamW))
-Rank 0 writes losses, the final weights (full tensors), the all-gather bytes per step, the
-shard quantizations and any zrw.fsdp warnings to --out.
+and writes losses, the final weights (full tensors), the all-gather bytes per step, the shard
+quantizations and any zrw.fsdp warnings; --expect-error: zrw.fsdp.prepare's refusal;
+--task dcp_save / dcp_resume: see run_dcp. Several --run's go in one launch (helpers.worker).
 """
-import argparse
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import ranks
+from helpers import worker
 
 
 class Block(nn.Module):
@@ -54,9 +54,8 @@ def build(args, release=True, seed=0):
 
 def batches(args):
     """Per step and micro-batch, the global batch: dp * tokens rows (dp rank r takes its rows)."""
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(args.dp * args.tokens, args.d, generator=g)
-            for _ in range(args.steps * args.micro_batches)]
+    return worker.batches(args.steps * args.micro_batches,
+                          lambda g: torch.randn(args.dp * args.tokens, args.d, generator=g))
 
 
 def run_single(args):
@@ -64,23 +63,14 @@ def run_single(args):
 
     model = build(args).to(torch.bfloat16)
     opt = zrw.optim.AdamW(model.parameters(), lr=args.lr)
-    losses = []
     data = batches(args)
-    for step in range(args.steps):
-        for mb in range(args.micro_batches):
-            x = data[step * args.micro_batches + mb].to(torch.bfloat16)
-            loss = model(x).float().pow(2).mean() / args.micro_batches
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    masters = [m for group in opt.masters for m in group]
-    return losses, {n: m.detach().clone() for (n, _), m in zip(model.named_parameters(), masters)}
+    losses, _ = worker.train(opt, range(args.steps), args.micro_batches, lambda s, mb: model(
+        data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean())
+    return losses, worker.masters_by_name(model, opt)
 
 
 def setup_2d(args, release=True, seed=0):
     """The model sharded on the 2-D mesh and its optimizer; returns (model, opt, mesh)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -91,7 +81,7 @@ def setup_2d(args, release=True, seed=0):
     import zrw
     import zrw.fsdp
 
-    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    mesh = worker.mesh(args.dp, args.tp, names=("dp", "tp"))
     model = build(args, release, seed)
     plan = {}
     for i in range(args.blocks):
@@ -112,26 +102,10 @@ def train_2d(model, opt, mesh, args, data, steps, counts=None):
     """Train `steps` (indices into the batches); returns the losses (mean over dp) and the
     all-gathered bytes of each step (with `counts`)."""
     dp_rank = mesh["dp"].get_local_rank()
-    losses, per_step = [], []
-    for step in steps:
-        before = counts["bytes"] if counts is not None else 0
-        for mb in range(args.micro_batches):
-            x = data[step * args.micro_batches + mb]
-            x = x[dp_rank * args.tokens:(dp_rank + 1) * args.tokens].to(torch.bfloat16)
-            loss = model(x).float().pow(2).mean() / args.micro_batches
-            loss.backward()
-            t = loss.detach().clone()
-            dist.all_reduce(t, group=mesh["dp"].get_group())
-            losses.append(t.item() / args.dp)
-        if counts is not None:
-            per_step.append(counts["bytes"] - before)
-        opt.step()
-        opt.zero_grad()
-    return losses, per_step
-
-
-def full_weights(model):
-    return {n: p.full_tensor().detach().float() for n, p in model.named_parameters()}
+    rows = slice(dp_rank * args.tokens, (dp_rank + 1) * args.tokens)
+    return worker.train(opt, steps, args.micro_batches, lambda s, mb: model(
+        data[s * args.micro_batches + mb][rows].to(torch.bfloat16)).float().pow(2).mean(),
+        group=mesh["dp"].get_group(), world=args.dp, gathered=counts)
 
 
 def run_2d(args, release=True):
@@ -152,14 +126,14 @@ def run_2d(args, release=True):
         if isinstance(mod, zrw.nn.MXLinear):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
     q0 = zrw.fsdp.stats()["shard_quantizations"]
-    with ranks.count_gathered_bytes() as counts:
+    with worker.count_gathered_bytes() as counts:
         losses, per_step = train_2d(model, opt, mesh, args, data, range(args.steps), counts)
     quantizations = zrw.fsdp.stats()["shard_quantizations"] - q0
     resident = {name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
                 for name, st in states.items() if st["planes"] is not None}
     sharded = {n: (str(p.placements), tuple(p.device_mesh.mesh_dim_names or ()))
                for n, p in model.named_parameters()}
-    return {"losses": losses, "weights": full_weights(model), "per_step_bytes": per_step,
+    return {"losses": losses, "weights": worker.full_weights(model), "per_step_bytes": per_step,
             "quantizations": quantizations, "resident_plane_bytes": resident,
             "placements": sharded}
 
@@ -184,7 +158,7 @@ def run_dcp(args):
         dcp.save({"model": get_model_state_dict(model),
                   "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=args.ckpt)
         rest, _ = train_2d(model, opt, mesh, args, data, range(2, 4))
-        return {"first": first, "rest": rest, "weights": full_weights(model)}
+        return {"first": first, "rest": rest, "weights": worker.full_weights(model)}
     model, opt, mesh = setup_2d(args, seed=1)
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, opt)}
@@ -193,61 +167,44 @@ def run_dcp(args):
     set_optimizer_state_dict(model, opt, state["optim"])
     rest, _ = train_2d(model, opt, mesh, args, data, range(2, 4))
     types = sorted({type(p.to_local()).__name__ for p in model.parameters()})
-    return {"rest": rest, "weights": full_weights(model), "types": types}
+    return {"rest": rest, "weights": worker.full_weights(model), "types": types}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--port", type=int, default=29555)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--recipe", default="mxfp8")
+def run(args):
+    args.dp, args.tp = 2, args.world // 2
+    if args.task != "train":
+        return run_dcp(args)
+    if args.expect_error:
+        args.mode = "zrw"
+        try:
+            run_2d(args)
+            return {"error": None}
+        except (ValueError, RuntimeError) as e:
+            return {"error": str(e)}
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args.mode = "zrw"
+        out.update(worker.release_modes(lambda release: run_2d(args, release), ("on", "off")))
+        args.mode = "bf16"
+        out["bf16"] = run_2d(args)
+    out["warnings"] = [str(w.message) for w in caught if "zrw.fsdp" in str(w.message)]
+    if args.rank == 0:
+        args.mode = "single"
+        out["single_losses"], out["single_weights"] = run_single(args)
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    ap = worker.parser(__doc__, world=4, lr=1e-2)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--both-planes", action="store_true")
     ap.add_argument("--expect-error", action="store_true",
                     help="zrw.fsdp.prepare must raise: save its message")
     ap.add_argument("--task", default="train", choices=["train", "dcp_save", "dcp_resume"])
     ap.add_argument("--ckpt", default="")
-    args = ap.parse_args()
-    args.dp, args.tp = 2, args.world // 2
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(args.port)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    out = {}
-    if args.task != "train":
-        out = run_dcp(args)
-    elif args.expect_error:
-        args.mode = "zrw"
-        try:
-            run_2d(args)
-            out["error"] = None
-        except (ValueError, RuntimeError) as e:
-            out["error"] = str(e)
-    else:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            args.mode = "zrw"
-            out["on"] = run_2d(args, release=True)
-            out["off"] = run_2d(args, release=False)
-            args.mode = "bf16"
-            out["bf16"] = run_2d(args)
-        out["warnings"] = [str(w.message) for w in caught if "zrw.fsdp" in str(w.message)]
-        if args.rank == 0:
-            args.mode = "single"
-            out["single_losses"], out["single_weights"] = run_single(args)
-    if args.rank == 0:
-        torch.save(out, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    ranks.exit_after(main)
+    worker.main(worker.each_run(run, ap), ap.parse_args(), quiet=False)

@@ -20,12 +20,7 @@ schedules do) and writes everything to --out.
 
 --cases names what to run (CASES); they run one after the other in one launch.
 """
-import argparse
 import gc
-import os
-import sys
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import ranks
+from helpers import worker
 
 VOCAB = 128
 LAYERS = 4
@@ -103,10 +98,10 @@ def make_stages(model, stage_ids, n_stages, recompute):
     return [Stage(model, layers[s], s == 0, s == n_stages - 1, recompute) for s in stage_ids]
 
 
-def data(steps, micro, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (micro, SEQ), generator=g),
-             torch.randint(0, VOCAB, (micro, SEQ), generator=g)) for _ in range(steps)]
+def data(steps, micro):
+    """Per step, (inputs, targets) of `micro` sequences each (the schedule splits them)."""
+    return worker.batches(steps, lambda g: (torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+                                            torch.randint(0, VOCAB, (micro, SEQ), generator=g)))
 
 
 def converted_weights(modules):
@@ -271,51 +266,28 @@ CASES = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", required=True, help="comma-separated names (CASES)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--micro", type=int, default=4)
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import zrw
-
-    zrw.memory.install()  # before any model exists
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        res = {}
-        names = args.cases.split(",")
-        for name in names:
-            case = CASES[name]
-            res[name] = {}
-            for mode in ("off", "on"):
-                mine = run_pp(case, mode, args.steps, args.micro, args.world, args.rank)
-                gathered = [None] * args.world
-                dist.all_gather_object(gathered, mine)
-                res[name][mode] = gathered
-        if args.rank == 0:
-            refs = sorted({(CASES[n]["recipe"], CASES[n].get("main_grad", False)) for n in names})
-            res["unsharded"] = {(r, mg): run_unsharded(r, args.steps, args.micro, mg)
-                                for r, mg in refs}
-        dist.barrier()
-        if args.rank == 0:
-            torch.save(res, args.out)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    dist.destroy_process_group()
+def run(args):
+    res = {}
+    names = args.cases.split(",")
+    for name in names:
+        case = CASES[name]
+        res[name] = {}
+        for mode in ("off", "on"):
+            mine = run_pp(case, mode, args.steps, args.micro_batches, args.world, args.rank)
+            gathered = [None] * args.world
+            dist.all_gather_object(gathered, mine)
+            res[name][mode] = gathered
+    if args.rank == 0:
+        refs = sorted({(CASES[n]["recipe"], CASES[n].get("main_grad", False)) for n in names})
+        res["unsharded"] = {(r, mg): run_unsharded(r, args.steps, args.micro_batches, mg)
+                            for r, mg in refs}
+    return res
 
 
 if __name__ == "__main__":
-    ranks.exit_after(main)
+    ap = worker.parser(__doc__, micro_batches=4)
+    ap.add_argument("--cases", required=True, help="comma-separated names (CASES)")
+    import zrw
+
+    zrw.memory.install()  # before any model exists
+    worker.main(run, ap.parse_args(), hf=True)

@@ -6,7 +6,8 @@
 * expert parallelism inside FSDP2: 2 ranks, a tiny Qwen3-MoE under transformers' own engine
   (experts sharded over EP with its all-to-all dispatch, everything under FSDP2 over DP;
   tests/parallel/ep_fsdp_worker.py).
-See the workers' docstrings for the modes each launch runs."""
+See the workers' docstrings for the modes each launch runs. The 4-rank cases share one launch
+(and the DCP resume a second one: fresh processes), both recipes of the EP case another."""
 import os
 
 import pytest
@@ -24,13 +25,33 @@ WEIGHTS = ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
 LOSS_RTOL = 1e-2
 
 
-def launch(tmp_path, *args, **kwargs):
-    return ranks.launch(WORKER, tmp_path, *args, world=4, **kwargs)
+LIMIT = {"mxfp8": 0.52, "mxfp8-32x32": 0.51}  # all-gathered bytes against BF16's, at most
+RUNS = {
+    "mxfp8": "--recipe mxfp8",
+    "mxfp8-32x32": "--recipe mxfp8-32x32",
+    # hidden 96 at TP=2: fc1's 48 rows per TP rank cut a 32-row block.
+    "tp_cut": "--hidden 96 --expect-error",
+    # d 32 at DP=2: fc2's 32 rows (TP splits its columns) give 16 rows per DP rank.
+    "dp_cut": "--d 32 --recipe mxfp8",
+    "dcp_save": "--task dcp_save",
+}
 
 
-@pytest.mark.parametrize("recipe, limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
-def test_fsdp_x_tp_gathers_fp8_planes_of_tp_local_shards(tmp_path, recipe, limit):
-    r = launch(tmp_path, "--recipe", recipe)
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp_tp") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt):
+    args = [a for flags in RUNS.values() for a in ("--run", flags)]
+    out = ranks.launch(WORKER, ckpt.parent, "--ckpt", str(ckpt), *args, world=4)
+    return dict(zip(RUNS, out))
+
+
+@pytest.mark.parametrize("recipe", list(LIMIT))
+def test_fsdp_x_tp_gathers_fp8_planes_of_tp_local_shards(runs, recipe):
+    r, limit = runs[recipe], LIMIT[recipe]
     on, off, bf16 = r["on"], r["off"], r["bf16"]
     # Every weight is a 2-D DTensor: FSDP2's DP shard of the TP shard.
     for name in WEIGHTS:
@@ -55,29 +76,26 @@ def test_fsdp_x_tp_gathers_fp8_planes_of_tp_local_shards(tmp_path, recipe, limit
     assert r["warnings"] == []
 
 
-def test_fsdp_x_tp_dcp_resume_in_fresh_processes_is_bitwise(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    saved = launch(tmp_path, "--task", "dcp_save", "--ckpt", ckpt)
-    resumed = launch(tmp_path, "--task", "dcp_resume", "--ckpt", ckpt)
+def test_fsdp_x_tp_dcp_resume_in_fresh_processes_is_bitwise(runs, ckpt, tmp_path):
+    saved = runs["dcp_save"]
+    resumed = ranks.launch(WORKER, tmp_path, "--task", "dcp_resume", "--ckpt", str(ckpt),
+                           world=4)
     assert resumed["rest"] == saved["rest"]
     for n, w in saved["weights"].items():
         assert torch.equal(resumed["weights"][n], w), n
     assert "PreQuantWeight" in resumed["types"]  # the all-gather extension is back after load
 
 
-def test_a_tp_split_that_cuts_a_block_is_refused(tmp_path):
-    # hidden 96 at TP=2: fc1's 48 rows per TP rank cut a 32-row block.
-    r = launch(tmp_path, "--hidden", "96", "--expect-error")
-    msg = r["error"]
+def test_a_tp_split_that_cuts_a_block_is_refused(runs):
+    msg = runs["tp_cut"]["error"]
     assert msg is not None
     for part in ("'blocks.0.fc1.weight'", "mesh dimension 'tp'", "48 per rank",
                  "not a multiple of the MX block (32)", "Use a parallel degree"):
         assert part in msg, msg
 
 
-def test_a_dp_split_that_cuts_a_block_gathers_bf16_with_a_warning(tmp_path):
-    # d 32 at DP=2: fc2's 32 rows (TP splits its columns) give 16 rows per DP rank.
-    r = launch(tmp_path, "--d", "32", "--recipe", "mxfp8")
+def test_a_dp_split_that_cuts_a_block_gathers_bf16_with_a_warning(runs):
+    r = runs["dp_cut"]
     warned = [w for w in r["warnings"] if "mesh dimension 'dp'" in w]
     assert warned and all("blocks." in w and "fc2.weight" in w for w in warned), r["warnings"]
     assert not any("fc1.weight" in w for w in r["warnings"]), r["warnings"]
@@ -86,9 +104,16 @@ def test_a_dp_split_that_cuts_a_block_gathers_bf16_with_a_warning(tmp_path):
         assert abs(got - want) <= LOSS_RTOL * abs(want)
 
 
-@pytest.mark.parametrize("recipe, limit", [("mxfp8", 0.52), ("mxfp8-32x32", 0.51)])
-def test_expert_parallel_inside_fsdp2(tmp_path, recipe, limit):
-    r = ranks.launch(EP_WORKER, tmp_path, "--recipe", recipe, world=2)
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    out = ranks.launch(EP_WORKER, tmp_path_factory.mktemp("ep"),
+                       *[a for recipe in LIMIT for a in ("--run", f"--recipe {recipe}")])
+    return dict(zip(LIMIT, out))
+
+
+@pytest.mark.parametrize("recipe", list(LIMIT))
+def test_expert_parallel_inside_fsdp2(ep_runs, recipe):
+    r, limit = ep_runs[recipe], LIMIT[recipe]
     on, off, bf16 = r["on"], r["off"], r["bf16"]
     # The experts: sharded over EP by the engine, inside FSDP2 (2-D placements), all-gathered
     # through zrw's extension (the local shard is a PreQuantWeight).

@@ -46,12 +46,17 @@ pytest.importorskip("transformers")
 WORKER = os.path.join(os.path.dirname(__file__), "pp_worker.py")
 STEPS, MICRO = 3, 4
 
-TWO_RANK = ["gpipe_mxfp8", "gpipe_32x32", "1f1b_mxfp8", "1f1b_32x32", "interleaved_mxfp8",
-            "interleaved_32x32", "1f1b_mxfp8_recompute", "interleaved_32x32_recompute",
-            "zero_bubble_32x32",
-            "1f1b_mxfp8_main_grad", "gpipe_mxfp8_static"]
+# The default run: every schedule (mxfp8 under each; mxfp8-32x32 under the interleaved and the
+# zero-bubble ones), recompute under both a plain and an interleaved schedule, main_grad, static
+# shapes; 4 stages (middle stages included) on 2 ranks with the interleaved schedules.
+TWO_RANK = ["gpipe_mxfp8", "1f1b_mxfp8", "interleaved_mxfp8", "1f1b_mxfp8_recompute",
+            "interleaved_32x32_recompute", "zero_bubble_32x32", "1f1b_mxfp8_main_grad",
+            "gpipe_mxfp8_static"]
+# -m slow: the remaining schedule x recipe pairs, and 4 stages on 4 ranks (one each).
+TWO_RANK_SLOW = ["gpipe_32x32", "1f1b_32x32", "interleaved_32x32"]
 FOUR_RANK = ["1f1b_32x32_4stages"]
-RECIPE = {name: "mxfp8-32x32" if "32x32" in name else "mxfp8" for name in TWO_RANK + FOUR_RANK}
+RECIPE = {name: "mxfp8-32x32" if "32x32" in name else "mxfp8"
+          for name in TWO_RANK + TWO_RANK_SLOW + FOUR_RANK}
 # Bytes the counting allocator may see beside the 2N difference between the modes: gloo's
 # threads drop a send's buffers at a moment of their own (a few hundred bytes seen). The
 # smallest converted weight (k_proj, 32 x 64) holds 4 KiB of BF16, so no weight's BF16 storage
@@ -63,6 +68,12 @@ SLACK = 4096
 def two_ranks(tmp_path_factory):
     return ranks.launch(WORKER, tmp_path_factory.mktemp("pp2"), "--cases", ",".join(TWO_RANK),
                         "--steps", str(STEPS), "--micro", str(MICRO))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_slow(tmp_path_factory):
+    return ranks.launch(WORKER, tmp_path_factory.mktemp("pp2s"), "--cases",
+                        ",".join(TWO_RANK_SLOW), "--steps", str(STEPS), "--micro", str(MICRO))
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +163,15 @@ def check_case(res, name, world):
     assert not bad, f"pipeline vs unsharded: final weights differ in {bad}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", TWO_RANK)
 def test_two_ranks(two_ranks, case):
     check_case(two_ranks, case, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TWO_RANK_SLOW)
+def test_two_ranks_other_recipe(two_ranks_slow, case):
+    check_case(two_ranks_slow, case, 2)
 
 
 @pytest.mark.slow
@@ -164,7 +180,6 @@ def test_four_ranks(four_ranks, case):
     check_case(four_ranks, case, 4)
 
 
-@pytest.mark.slow
 def test_schedules_interleave_differently(two_ranks):
     """The cases do run different orders: the interleaved schedule puts two stages on a rank
     (stages 0 and 2 on rank 0), and the hit counts (cache lookups) differ with the schedule's

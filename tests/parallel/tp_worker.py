@@ -17,16 +17,10 @@ writes everything (losses, first-step gradients, final weights, all gathered who
 
 --cases names what to run (CASES, or "errors"); they run one after the other in one launch.
 """
-import argparse
-import os
-import sys
-import traceback
-import warnings
-
 import torch
 import torch.distributed as dist
 
-from helpers import ranks
+from helpers import worker
 
 VOCAB = 128
 LR = 1e-2  # AdamW
@@ -72,21 +66,19 @@ def build(kind, heads, kv_heads, ffn, moe_ffn, experts, act="fp32", freeze_head_
     return model.train()
 
 
-def batches(steps, micro, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(micro)]
-            for _ in range(steps)]
+def batches(n):
+    """n micro-batches of token ids (step s, micro-batch mb: index s * micro + mb)."""
+    return worker.batches(n, lambda g: torch.randint(0, VOCAB, (2, 16), generator=g))
 
 
 def torch_tp(model, world, kind):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = worker.mesh(world)
     plan = {}
     for i in range(len(model.model.layers)):
         pre = f"model.layers.{i}"
@@ -123,18 +115,14 @@ def hf_plan(model, tp, ep):
     return zrw.parallel.apply_plan(model, DistributedConfig(**kw))
 
 
-def full(t):
-    from zrw.parallel import is_dtensor
-
-    t = t.detach()
-    return (t.full_tensor() if is_dtensor(t) else t).float().clone()
-
-
-def train(model, data, record_routing=False):
-    """3 steps x 2 micro-batches; returns losses (fp32 tensors, as computed), the BF16 bytes
-    released inside each step (read at the optimizer pre-hook) and tokens per expert per step."""
+def train(model, data, args, record_routing=False):
+    """args.steps x args.micro_batches; returns the losses (each micro-batch's, divided by the
+    micro-batch count), the first step's gradients, the BF16 bytes released inside each step
+    (read at the optimizer pre-hook, registered before zrw's boundary) and tokens per expert per
+    step."""
     import zrw
 
+    full = worker.full
     opt = zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(), lr=LR, weight_decay=0.0)
     released, grads = [], {}
 
@@ -156,20 +144,18 @@ def train(model, data, record_routing=False):
                 idx = out[2].reshape(-1)
                 counts[-1][i] += torch.bincount(idx, minlength=m.num_experts)
             hooks.append(layer.mlp.gate.register_forward_hook(rec))
-    losses = []
-    for step in data:
-        if record_routing:
+
+    def loss_of(step, mb):
+        if record_routing and mb == 0:
             counts.append([0] * len(model.model.layers))
-        for ids in step:
-            loss = model(input_ids=ids, labels=ids).loss
-            (loss / len(step)).backward()
-            losses.append(loss.detach().float().clone())
-        opt.step()
-        opt.zero_grad()
+        ids = data[step * args.micro_batches + mb]
+        return model(input_ids=ids, labels=ids).loss
+
+    losses, _ = worker.train(opt, range(args.steps), args.micro_batches, loss_of)
     for h in hooks:
         h.remove()
     zrw.cache.cache_clear()
-    return {"losses": torch.stack(losses), "released": released, "grads": grads,
+    return {"losses": torch.tensor(losses), "released": released, "grads": grads,
             "tokens_per_expert": [[c.tolist() for c in s] for s in counts]}
 
 
@@ -193,7 +179,7 @@ def run_case(case, args, world, rank):
                  ffn=case.get("ffn", 128), moe_ffn=case.get("moe_ffn", 64),
                  experts=case.get("experts", 4), act=case.get("act", "fp32"),
                  freeze_head_norms=(engine == "hf"))
-    data = batches(args.steps, args.micro)
+    data = batches(args.steps * args.micro_batches)
     main_grad = case.get("main_grad", False)
     # The runs are compared with the unsharded one, which must route every token to the same
     # experts: the sharded runs sum in another FP32 order, and with the rceil scale rule (the
@@ -216,12 +202,12 @@ def run_case(case, args, world, rank):
             if order == "after":
                 zrw.convert(model, recipe, release=True, main_grad=main_grad)
             summary = zrw.parallel.prepare(model)
-            r = train(model, data, record_routing=(kind == "moe"))
+            r = train(model, data, args, record_routing=(kind == "moe"))
             r["prepare"] = {"local_elements": summary.local_elements,
                             "release_bytes": summary.release_bytes,
                             "weights": summary.weights}
             r["counted_elements"] = local_converted_elements(model)
-            r["weights"] = {n: full(p) for n, p in model.named_parameters()}
+            r["weights"] = worker.full_weights(model)
             gathered = [None] * world
             dist.all_gather_object(gathered, {k: r[k] for k in ("released", "prepare",
                                                                  "counted_elements")})
@@ -232,8 +218,8 @@ def run_case(case, args, world, rank):
     if rank == 0:
         model = build(kind, **shape)
         zrw.convert(model, recipe, release=True, main_grad=main_grad)
-        r = train(model, data, record_routing=(kind == "moe"))
-        r["weights"] = {n: full(p) for n, p in model.named_parameters()}
+        r = train(model, data, args, record_routing=(kind == "moe"))
+        r["weights"] = worker.full_weights(model)
         out["unsharded"] = r
     dist.barrier()
     return out
@@ -255,7 +241,7 @@ def run_errors(args, world, rank):
         out["misaligned"] = str(e)
     # The same weights in a forward without prepare (the layer checks them too).
     try:
-        model(input_ids=batches(1, 1)[0][0]).logits.sum()
+        model(input_ids=batches(1)[0]).logits.sum()
         out["misaligned_forward"] = "no error"
     except ValueError as e:
         out["misaligned_forward"] = str(e)
@@ -271,7 +257,7 @@ def run_errors(args, world, rank):
     zrw.convert(model, "mxfp8")
     model = hf_plan(model, world, world)
     try:
-        ids = batches(1, 1)[0][0]
+        ids = batches(1)[0]
         model(input_ids=ids, labels=ids).loss.backward()
         out["no_prepare"] = "no error"
     except RuntimeError as e:
@@ -285,12 +271,13 @@ def run_errors(args, world, rank):
     model = hf_plan(model, world, 1)
     zrw.parallel.prepare(model)
     opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters()))
-    ids = batches(1, 1)[0][0]
+    ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     name = "model.layers.0.self_attn.o_proj.weight"
     master = opt.masters[0][[n for n, _ in model.named_parameters()].index(name)]
     weight = model.get_parameter(name)
     sd = model.state_dict()
+    full = worker.full
     same = torch.equal(full(sd[name]), full(master).bfloat16().float())  # collective: all ranks
     out["state_dict_mid_step"] = (
         zrw.parallel.is_dtensor(sd[name]) and sd[name].placements == weight.placements and same
@@ -319,37 +306,13 @@ CASES = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", required=True, help="comma-separated names (CASES, errors)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--micro", type=int, default=2)
-    args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        res = {}
-        for name in args.cases.split(","):
-            res[name] = (run_errors(args, args.world, args.rank) if name == "errors"
-                         else run_case(CASES[name], args, args.world, args.rank))
-        if args.rank == 0:
-            torch.save(res, args.out)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    dist.destroy_process_group()
+def run(args):
+    return {name: run_errors(args, args.world, args.rank) if name == "errors"
+            else run_case(CASES[name], args, args.world, args.rank)
+            for name in args.cases.split(",")}
 
 
 if __name__ == "__main__":
-    ranks.exit_after(main)
+    ap = worker.parser(__doc__)
+    ap.add_argument("--cases", required=True, help="comma-separated names (CASES, errors)")
+    worker.main(run, ap.parse_args(), hf=True)
