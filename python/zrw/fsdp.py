@@ -27,7 +27,8 @@ Both carry the layer's QuantRecipe: its element dtype and scale rule are the one
 quantized with. The gathered weight is an `MXGatheredWeight`, a zrw.planes.MXPlanesCarrier:
 shape and dtype of the unsharded parameter, data held as the MX planes; the zrw layers read the
 planes (`mx_weight`), any other use raises. zrw.fsdp imports no layer and no layer imports it.
-`stats()` counts the shard quantizations (once per weight and optimizer step).
+zrw.testing.shard_quantizations() counts the shard quantizations (once per weight and optimizer
+step).
 """
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ from . import cache, ops, planes
 from ._dtensor import _dtensor_cls, check_placements, is_dtensor
 from .config import QuantRecipe, get_recipe
 
-__all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "clear_shard_cache", "stats"]
+__all__ = ["PreQuantWeight", "MXGatheredWeight", "prepare", "clear_shard_cache"]
 
 aten = torch.ops.aten
 
 # Every PreQuantWeight alive, so that the optimizer boundary can drop their shard caches.
 _live: "weakref.WeakSet[PreQuantWeight]" = weakref.WeakSet()
-_stats = {"shard_quantizations": 0}  # stats(); written under _lock
+_stats = {"shard_quantizations": 0}  # zrw.testing.shard_quantizations(); written under _lock
 _lock = threading.Lock()
 
 
@@ -61,14 +62,6 @@ def clear_shard_cache() -> None:
 
 
 _boundary_handle = cache.register_boundary_callback(lambda opt: clear_shard_cache())
-
-
-def stats() -> Dict[str, int]:
-    """zrw.fsdp's counters in this process, since it started: shard_quantizations (how many times
-    a rank quantized a PreQuantWeight's shard for an all-gather: once per weight and optimizer
-    step, every micro-batch's gather and the backward re-gather reuse it)."""
-    with _lock:
-        return dict(_stats)
 
 
 # Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,

@@ -1,4 +1,5 @@
-"""Test and benchmark instruments: fault injection, kernel counters, collective byte counts.
+"""Test and benchmark instruments: fault injection, kernel counters, collective byte counts,
+zrw.fsdp's shard quantization count.
 
 Nothing in zrw's training path uses this module and `import zrw` does not load it: a test or a
 benchmark opts in with `import zrw.testing`. What it holds changes process-wide state (the
@@ -14,7 +15,7 @@ from typing import Dict, Iterator
 from . import _C, memory
 
 __all__ = ["fail_allocations", "pending_failures", "gemm_counts", "reset_gemm_counts",
-           "count_all_gather_bytes"]
+           "count_all_gather_bytes", "shard_quantizations"]
 
 
 def _non_negative_int(fn: str, name: str, value) -> int:
@@ -97,3 +98,13 @@ def count_all_gather_bytes() -> Iterator[Dict[str, int]]:
     finally:
         for meth, orig in originals.items():
             setattr(ProcessGroup, meth, orig)
+
+
+def shard_quantizations() -> int:
+    """How many times this process quantized a zrw.fsdp.PreQuantWeight's shard for an FSDP2
+    all-gather since it started: once per weight and optimizer step (every micro-batch's gather
+    and the backward re-gather reuse it)."""
+    from . import fsdp
+
+    with fsdp._lock:
+        return fsdp._stats["shard_quantizations"]

@@ -44,6 +44,7 @@ def run_fsdp(args):
 
     import zrw
     import zrw.fsdp
+    import zrw.testing
 
     rank = dist.get_rank()
     model = build(args)
@@ -91,7 +92,7 @@ def run_fsdp(args):
     for name, mod in model.named_modules():
         if isinstance(mod, (zrw.nn.MXLinear, zrw.nn.MXFusedExperts)):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
-    q0 = zrw.fsdp.stats()["shard_quantizations"]
+    q0 = zrw.testing.shard_quantizations()
     rows = slice(rank * args.tokens, (rank + 1) * args.tokens)
     with worker.count_gathered_bytes() as counts:
         losses, per_step = worker.train(
@@ -100,7 +101,7 @@ def run_fsdp(args):
             group=dist.group.WORLD, world=args.world, gathered=counts)
     return {"losses": losses, "weights": worker.full_weights(model),
             "per_step_bytes": per_step,
-            "quantizations": zrw.fsdp.stats()["shard_quantizations"] - q0,
+            "quantizations": zrw.testing.shard_quantizations() - q0,
             "planes": first_planes,
             "resident_plane_bytes": {
                 name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())

@@ -46,6 +46,7 @@ def run_sharded(args, mode):
 
     import zrw
     import zrw.fsdp
+    import zrw.testing
 
     model = build().float()
     names = []
@@ -71,7 +72,7 @@ def run_sharded(args, mode):
         ids = data[step * args.micro_batches + mb][rank:rank + 1]
         return model(input_ids=ids, labels=ids).loss
 
-    q0 = zrw.fsdp.stats()["shard_quantizations"]
+    q0 = zrw.testing.shard_quantizations()
     with worker.count_gathered_bytes() as counts:
         losses, per_step = worker.train(opt, range(args.steps), args.micro_batches, loss_of,
                                         group=dist.group.WORLD, world=args.world,
@@ -80,7 +81,7 @@ def run_sharded(args, mode):
     return {"losses": losses, "per_step_bytes": per_step, "calls": counts["sizes"],
             "layer_other_bytes": 2 * other,
             "converted": names,
-            "quantizations": zrw.fsdp.stats()["shard_quantizations"] - q0,
+            "quantizations": zrw.testing.shard_quantizations() - q0,
             "cache_entries": stats["entries"], "restored_bytes": stats["restored_bytes"],
             "expert_placements": expert_placements,
             "weights": worker.full_weights(model)}

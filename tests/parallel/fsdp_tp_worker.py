@@ -111,6 +111,7 @@ def train_2d(model, opt, mesh, args, data, steps, counts=None):
 def run_2d(args, release=True):
     import zrw
     import zrw.fsdp
+    import zrw.testing
 
     model, opt, mesh = setup_2d(args, release)
     data = batches(args)
@@ -125,10 +126,10 @@ def run_2d(args, release=True):
     for name, mod in model.named_modules():
         if isinstance(mod, zrw.nn.MXLinear):
             mod.register_forward_pre_hook(lambda m, i, name=name: capture(m, i, name))
-    q0 = zrw.fsdp.stats()["shard_quantizations"]
+    q0 = zrw.testing.shard_quantizations()
     with worker.count_gathered_bytes() as counts:
         losses, per_step = train_2d(model, opt, mesh, args, data, range(args.steps), counts)
-    quantizations = zrw.fsdp.stats()["shard_quantizations"] - q0
+    quantizations = zrw.testing.shard_quantizations() - q0
     resident = {name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
                 for name, st in states.items() if st["planes"] is not None}
     sharded = {n: (str(p.placements), tuple(p.device_mesh.mesh_dim_names or ()))
