@@ -1,6 +1,6 @@
 // The CPU dequantization loops, compiled once per instruction set like the quantization kernel
 // (CMakeLists.txt) over the vectors of mx_cpu_simd.h: each element is decoded (the arithmetic of
-// mx::decode_elem on 16 fp32 lanes: normal codes rebias the exponent, subnormals are an exact
+// mx::decode_elem on fp32 lanes: normal codes rebias the exponent, subnormals are an exact
 // int -> float conversion times 2^(emin - M), the NaN/Inf codes are selected last) and multiplied
 // by its block's scale in fp32, the same product as the reference's, and written as fp32 or, for
 // mx_matmul's BF16 GEMM tiles, as the top half of the product's bits (see DequantizeBf16Fn in
@@ -23,38 +23,38 @@ using namespace simd;
 using mx::ElemFormat;
 using mx::kBlock;
 
-// 16 element bytes -> their fp32 values.
+// kLanes32 element bytes -> their fp32 values.
 template <ElemFormat F>
-inline F16x decode16(U16x byte) {
+inline VF decode_lanes(VU32 byte) {
   using E = mx::Elem<F>;
-  const U16x mag = byte & 0x7Fu;
-  const U16x normal = (mag << (23 - E::kMantBits)) + ((127u - E::kBias) << 23);
-  const F16x sub = __builtin_convertvector(reinterpret_cast<I16x>(mag), F16x) *
+  const VU32 mag = byte & 0x7Fu;
+  const VU32 normal = (mag << (23 - E::kMantBits)) + ((127u - E::kBias) << 23);
+  const VF sub = __builtin_convertvector(reinterpret_cast<VI32>(mag), VF) *
                    (1.0f / static_cast<float>(1 << (E::kMantBits - E::kEminNormal)));
-  U16x v = mag > (1u << E::kMantBits) - 1 ? normal : reinterpret_cast<U16x>(sub);
+  VU32 v = mag > (1u << E::kMantBits) - 1 ? normal : reinterpret_cast<VU32>(sub);
   if constexpr (F == ElemFormat::E4M3) {
-    v = mag == 0x7Fu ? U16x{} + 0x7FC00000u : v;
+    v = mag == 0x7Fu ? VU32{} + 0x7FC00000u : v;
   } else {
-    v = mag == 0x7Cu ? U16x{} + 0x7F800000u : v;
-    v = mag > 0x7Cu ? U16x{} + 0x7FC00000u : v;
+    v = mag == 0x7Cu ? VU32{} + 0x7F800000u : v;
+    v = mag > 0x7Cu ? VU32{} + 0x7FC00000u : v;
   }
-  return reinterpret_cast<F16x>(v | ((byte & 0x80u) << 24));
+  return reinterpret_cast<VF>(v | ((byte & 0x80u) << 24));
 }
 
-// 16 scale bytes -> 2^(byte - 127) as fp32 (mx::scale_from_byte).
-inline F16x scale16(U16x byte) {
-  U16x bits = byte << 23;
-  bits = byte == 0u ? U16x{} + 0x00400000u : bits;
-  bits = byte == 0xFFu ? U16x{} + 0x7FC00000u : bits;
-  return reinterpret_cast<F16x>(bits);
+// kLanes32 scale bytes -> 2^(byte - 127) as fp32 (mx::scale_from_byte).
+inline VF scale_lanes(VU32 byte) {
+  VU32 bits = byte << 23;
+  bits = byte == 0u ? VU32{} + 0x00400000u : bits;
+  bits = byte == 0xFFu ? VU32{} + 0x7FC00000u : bits;
+  return reinterpret_cast<VF>(bits);
 }
 
-inline U16x bytes16(const uint8_t* p) { return __builtin_convertvector(load<B16x>(p), U16x); }
+inline VU32 bytes_lanes(const uint8_t* p) { return __builtin_convertvector(load<VB32>(p), VU32); }
 
-// 16 products to out: fp32, or bf16 bits (the top half of each product's bits).
-inline void store16(float* out, F16x v) { store(out, v); }
-inline void store16(uint16_t* out, F16x v) {
-  store(out, __builtin_convertvector(reinterpret_cast<U16x>(v) >> 16, H16x));
+// kLanes32 products to out: fp32, or bf16 bits (the top half of each product's bits).
+inline void store_lanes(float* out, VF v) { store(out, v); }
+inline void store_lanes(uint16_t* out, VF v) {
+  store(out, __builtin_convertvector(reinterpret_cast<VU32>(v) >> 16, VH32));
 }
 inline void store1(float* out, float v) { *out = v; }
 inline void store1(uint16_t* out, float v) { *out = static_cast<uint16_t>(mx::f32_bits(v) >> 16); }
@@ -63,8 +63,8 @@ inline void store1(uint16_t* out, float v) { *out = static_cast<uint16_t>(mx::f3
 template <ElemFormat F, typename Out>
 void row_blocks(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {  // 16 divides the block: one scale per step
-    store16(out + j, decode16<F>(bytes16(data + j)) * mx::scale_from_byte(scales[j / kBlock]));
+  for (; j + kLanes32 <= n; j += kLanes32) {  // kLanes32 divides the block: one scale per step
+    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * mx::scale_from_byte(scales[j / kBlock]));
   }
   for (; j < n; ++j) {
     store1(out + j, mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j / kBlock]));
@@ -75,8 +75,8 @@ void row_blocks(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out)
 template <ElemFormat F, typename Out>
 void per_element(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    store16(out + j, decode16<F>(bytes16(data + j)) * scale16(bytes16(scales + j)));
+  for (; j + kLanes32 <= n; j += kLanes32) {
+    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * scale_lanes(bytes_lanes(scales + j)));
   }
   for (; j < n; ++j) store1(out + j, mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j]));
 }

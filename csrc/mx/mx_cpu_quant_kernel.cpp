@@ -170,56 +170,66 @@ inline float value(In<S> x) {
 
 // W elements -> their keys: bf16 bits, the bf16 rounding of an FP32 master (RNE; a NaN stays a
 // NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
+// The high 16 bits of two registers of 32-bit lanes, in order.
+template <int... I>
+inline V high_halves(VU32 lo, VU32 hi, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(reinterpret_cast<V>(lo), reinterpret_cast<V>(hi), (2 * I + 1)...);
+}
+// kLanes32 fp32 values -> keys in the high halves of their bits: bf16 rounding (RNE; a NaN stays
+// a NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
+template <Src S>
+inline VU32 key_bits(VU32 u) {
+  if constexpr (S == Src::F32AsBF16) {
+    const VU32 nan = reinterpret_cast<VU32>(reinterpret_cast<VI32>(u & 0x7FFFFFFFu) > 0x7F800000);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) | (nan & 0x7FC00000u);
+  } else {
+    return u | (((u & 0xFFFFu) + 0xFFFFu) & 0x10000u);  // jam
+  }
+}
+// W elements -> their keys: bf16 bits, the bf16 rounding of an FP32 master, or jammed bf16.
 template <Src S>
 inline V keys(const In<S>* p) {
   if constexpr (S == Src::BF16) {
     return load<V>(p);
   } else {
-    VU32 u;
-    if constexpr (S == Src::F32 || S == Src::F32AsBF16) {
-      u = load<VU32>(p);
-    } else {
-      alignas(64) float f[W];
-      if constexpr (S == Src::F16) f16_to_f32(p, f, W);
-      if constexpr (S == Src::F32AsF16) round_to_f16(p, f, W);
-      u = load<VU32>(f);
-    }
-    if constexpr (S == Src::F32AsBF16) {
-      const VU32 nan = reinterpret_cast<VU32>(reinterpret_cast<VI32>(u & 0x7FFFFFFFu) >
-                                              0x7F800000);
-      u = (u + 0x7FFFu + ((u >> 16) & 1u)) | (nan & 0x7FC00000u);
-    } else {
-      u |= ((u & 0xFFFFu) + 0xFFFFu) & 0x10000u;  // jam
-    }
-    return __builtin_convertvector(u >> 16, V);
+    auto from = [](const float* f) {
+      return high_halves(key_bits<S>(load<VU32>(f)), key_bits<S>(load<VU32>(f + kLanes32)),
+                         std::make_integer_sequence<int, W>{});
+    };
+    if constexpr (S == Src::F32 || S == Src::F32AsBF16) return from(p);
+    alignas(64) float staged[W];
+    if constexpr (S == Src::F16) f16_to_f32(p, staged, W);
+    if constexpr (S == Src::F32AsF16) round_to_f16(p, staged, W);
+    return from(staged);
   }
 }
 
 // ---- the exact path -----------------------------------------------------------------------------
-// mx::encode_elem_lane on 16 lanes (the same operations, so the same codes) of v * 2^-e, e from
-// the scale bytes; kElemNaN where the byte is 0xFF.
+// mx::encode_elem_lane on kLanes32 lanes (the same operations, so the same codes) of v * 2^-e, e
+// from the scale bytes; kElemNaN where the byte is 0xFF.
 template <ElemFormat F>
-inline B16x encode16(F16x v, U16x byte) {
+inline VB32 encode_lanes(VF v, VU32 byte) {
   using E = mx::Elem<F>;
   constexpr int kShift = 23 - E::kMantBits;
   constexpr int32_t kRebias = (127 - E::kBias) << E::kMantBits;
   constexpr int32_t kMaxCode = ((E::kEmax + E::kBias) << E::kMantBits) | (3 << (E::kMantBits - 2));
-  constexpr uint32_t kMinNormalBits = (127 + E::kEminNormal) << 23;
+  constexpr int32_t kMinNormalBits = (127 + E::kEminNormal) << 23;
   constexpr uint32_t kMagic = (127 + E::kEminNormal - E::kMantBits + 23) << 23;
-  U16x inv = (254u - byte) << 23;  // mx::inv_scale_from_byte
-  inv = byte == 254u ? U16x{} + 0x00400000u : inv;
-  inv = byte == 255u ? U16x{} : inv;
-  const U16x bits = reinterpret_cast<U16x>(v * reinterpret_cast<F16x>(inv));
-  const U16x sign = (bits >> 24) & 0x80u;
-  const U16x a = bits & 0x7FFFFFFFu;
-  const U16x rounded = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
-  I16x normal = reinterpret_cast<I16x>(rounded >> kShift) - kRebias;
-  normal = normal < kMaxCode ? normal : I16x{} + kMaxCode;
-  const U16x small = reinterpret_cast<U16x>(reinterpret_cast<F16x>(a) +
-                                            reinterpret_cast<F16x>(U16x{} + kMagic)) - kMagic;
-  U16x code = (a >= kMinNormalBits ? reinterpret_cast<U16x>(normal) : small) | sign;
-  code = byte == 255u ? U16x{} + mx::kElemNaN : code;
-  return __builtin_convertvector(code, B16x);
+  VU32 inv = (254u - byte) << 23;  // mx::inv_scale_from_byte
+  inv = byte == 254u ? VU32{} + 0x00400000u : inv;
+  inv = byte == 255u ? VU32{} : inv;
+  const VU32 bits = reinterpret_cast<VU32>(v * reinterpret_cast<VF>(inv));
+  const VU32 sign = (bits >> 24) & 0x80u;
+  const VU32 a = bits & 0x7FFFFFFFu;
+  const VU32 rounded = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
+  VI32 normal = reinterpret_cast<VI32>(rounded >> kShift) - kRebias;
+  normal = normal < kMaxCode ? normal : VI32{} + kMaxCode;
+  const VU32 small = reinterpret_cast<VU32>(reinterpret_cast<VF>(a) +
+                                            reinterpret_cast<VF>(VU32{} + kMagic)) - kMagic;
+  VU32 code = (reinterpret_cast<VI32>(a) >= kMinNormalBits ? reinterpret_cast<VU32>(normal)
+                                                           : small) | sign;
+  code = byte == 255u ? VU32{} + mx::kElemNaN : code;
+  return __builtin_convertvector(code, VB32);
 }
 
 // One 32-element run of a row, from the input x: the block's codes (byte blk_byte) to blk_out and
@@ -229,11 +239,12 @@ void exact_run(const In<S>* x, uint8_t blk_byte, const uint8_t* col_bytes, uint8
                uint8_t* col_out) {
   alignas(64) float v[kBlock];
   for (int j = 0; j < kBlock; ++j) v[j] = value<S>(x[j]);
-  for (int h = 0; h < kBlock; h += 16) {
-    const F16x f = load<F16x>(v + h);
-    if (blk_out) store(blk_out + h, encode16<F>(f, U16x{} + blk_byte));
+  for (int h = 0; h < kBlock; h += kLanes32) {
+    const VF f = load<VF>(v + h);
+    if (blk_out) store(blk_out + h, encode_lanes<F>(f, VU32{} + blk_byte));
     if (col_out) {
-      store(col_out + h, encode16<F>(f, __builtin_convertvector(load<B16x>(col_bytes + h), U16x)));
+      store(col_out + h,
+            encode_lanes<F>(f, __builtin_convertvector(load<VB32>(col_bytes + h), VU32)));
     }
   }
 }

@@ -39,15 +39,14 @@ constexpr int kLanes = 8;
 typedef int16_t V __attribute__((vector_size(2 * kLanes)));    // 16-bit lanes
 typedef uint16_t VU __attribute__((vector_size(2 * kLanes)));
 typedef uint8_t VB __attribute__((vector_size(kLanes)));         // the lanes as bytes
-typedef uint32_t VU32 __attribute__((vector_size(4 * kLanes)));  // the lanes as 32 bits
-typedef int32_t VI32 __attribute__((vector_size(4 * kLanes)));
-// 16 fp32 lanes (one or more registers) for the fp32 arithmetic of the exact path and of
-// dequantization.
-typedef float F16x __attribute__((vector_size(64)));
-typedef uint32_t U16x __attribute__((vector_size(64)));
-typedef int32_t I16x __attribute__((vector_size(64)));
-typedef uint8_t B16x __attribute__((vector_size(16)));
-typedef uint16_t H16x __attribute__((vector_size(32)));
+// The same register as kLanes / 2 32-bit lanes (fp32 arithmetic: the exact path, dequantization,
+// fp32 sources), and those lanes narrowed to 16 and 8 bits.
+constexpr int kLanes32 = kLanes / 2;
+typedef float VF __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t VU32 __attribute__((vector_size(2 * kLanes)));
+typedef int32_t VI32 __attribute__((vector_size(2 * kLanes)));
+typedef uint16_t VH32 __attribute__((vector_size(kLanes)));
+typedef uint8_t VB32 __attribute__((vector_size(kLanes / 2)));
 
 template <typename T>
 inline T load(const void* p) {
