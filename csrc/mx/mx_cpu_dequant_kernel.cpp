@@ -64,7 +64,8 @@ template <ElemFormat F, typename Out>
 void row_blocks(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
   for (; j + kLanes32 <= n; j += kLanes32) {  // kLanes32 divides the block: one scale per step
-    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * mx::scale_from_byte(scales[j / kBlock]));
+    const float scale = mx::scale_from_byte(scales[j / kBlock]);
+    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * scale);
   }
   for (; j < n; ++j) {
     store1(out + j, mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j / kBlock]));
@@ -76,7 +77,8 @@ template <ElemFormat F, typename Out>
 void per_element(const uint8_t* data, const uint8_t* scales, int64_t n, Out* out) {
   int64_t j = 0;
   for (; j + kLanes32 <= n; j += kLanes32) {
-    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * scale_lanes(bytes_lanes(scales + j)));
+    const VF scale = scale_lanes(bytes_lanes(scales + j));
+    store_lanes(out + j, decode_lanes<F>(bytes_lanes(data + j)) * scale);
   }
   for (; j < n; ++j) store1(out + j, mx::decode_elem<F>(data[j]) * mx::scale_from_byte(scales[j]));
 }

@@ -235,8 +235,9 @@ inline VB32 encode_lanes(VF v, VU32 byte) {
 // One 32-element run of a row, from the input x: the block's codes (byte blk_byte) to blk_out and
 // the columns' (bytes col_bytes) to col_out; either output may be null.
 template <ElemFormat F, Src S>
-void exact_run(const In<S>* x, uint8_t blk_byte, const uint8_t* col_bytes, uint8_t* blk_out,
-               uint8_t* col_out) {
+__attribute__((noinline)) void exact_run(const In<S>* x, uint8_t blk_byte,
+                                         const uint8_t* col_bytes, uint8_t* blk_out,
+                                         uint8_t* col_out) {
   alignas(64) float v[kBlock];
   for (int j = 0; j < kBlock; ++j) v[j] = value<S>(x[j]);
   for (int h = 0; h < kBlock; h += kLanes32) {
@@ -254,8 +255,8 @@ void exact_run(const In<S>* x, uint8_t blk_byte, const uint8_t* col_bytes, uint8
 // kc[0 .. 32) (COL), stored to bo / co. False, with nothing stored, if the run needs the exact
 // path.
 template <ElemFormat F, bool BLK, bool COL>
-inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc, uint8_t* bo, uint8_t* co,
-                       bool nt) {
+__attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc,
+                                                     uint8_t* bo, uint8_t* co, bool nt) {
   using C = Enc<F>;
   V bc[R], cc[R], sign[R];
   V low = splat(0x7FFF);
@@ -275,11 +276,14 @@ inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc, uint8_t* bo, 
     }
   }
   if (__builtin_expect(any(low < splat(C::kMinNormalCode)), 0)) return false;
+  const V max_code = splat(C::kMaxCode);
 #pragma GCC unroll 4
   for (int h = 0; h < R; ++h) {
-    if constexpr (BLK) store_bytes(bo + W * h, narrow(vmin(bc[h], splat(C::kMaxCode)) | sign[h]), nt);
-    if constexpr (COL) store_bytes(co + W * h, narrow(vmin(cc[h], splat(C::kMaxCode)) | sign[h]), nt);
+    if constexpr (BLK) bc[h] = vmin(bc[h], max_code) | sign[h];
+    if constexpr (COL) cc[h] = vmin(cc[h], max_code) | sign[h];
   }
+  if constexpr (BLK) store_32_bytes(bo, bc, nt);
+  if constexpr (COL) store_32_bytes(co, cc, nt);
   return true;
 }
 

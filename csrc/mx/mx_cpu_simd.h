@@ -89,16 +89,29 @@ inline bool any(V v) {
 #endif
 }
 
-// kLanes bytes to p; non-temporal (`nt`, p aligned to kLanes) where the ISA has such a store.
-inline void store_bytes(uint8_t* p, VB v, bool nt) {
+// (GCC 12 reports the pass-through operand of its own AVX-512 narrowing intrinsics as maybe
+// uninitialized.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// 32 lanes of 0..255 (32 / kLanes registers) -> 32 bytes at p; non-temporal (`nt`, p aligned to
+// 32) where the ISA has such a store.
+inline void store_32_bytes(uint8_t* p, const V* c, bool nt) {
 #if defined(__AVX512BW__)
-  if (nt) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(v));
+  const __m256i b = _mm512_cvtepi16_epi8(reinterpret_cast<__m512i>(c[0]));
 #elif defined(__AVX2__)
-  if (nt) return _mm_stream_si128(reinterpret_cast<__m128i*>(p), reinterpret_cast<__m128i>(v));
+  const __m256i b = _mm256_permute4x64_epi64(
+      _mm256_packus_epi16(reinterpret_cast<__m256i>(c[0]), reinterpret_cast<__m256i>(c[1])),
+      0xD8);
 #endif
+#if defined(__AVX2__)
+  if (nt) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), b);
+  return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+#else
   (void)nt;
-  store(p, v);
+  for (int h = 0; h < 32 / kLanes; ++h) store(p + kLanes * h, narrow(c[h]));
+#endif
 }
+#pragma GCC diagnostic pop
 
 // Orders the non-temporal stores before what follows (the end of a parallel_for chunk).
 inline void store_fence() {
