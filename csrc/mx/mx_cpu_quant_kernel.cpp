@@ -51,6 +51,7 @@
 // * Large data planes (4 MiB and up, aligned) get non-temporal stores: they would only evict the
 //   input. Threads take runs of row groups or of strips (one input stream each).
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -88,25 +89,59 @@ struct Enc {
 };
 
 // ---- amax: the reduction tree -------------------------------------------------------------------
-// fold<L>: two registers of L leaves (W / L lanes each) -> one of 2L leaves, a's then b's, each
-// the max of its two halves. After log2(W) levels lane i holds leaf i's max.
-constexpr int fold_index(int L, int i, bool hi) {
-  const int S = W / L, half = S / 2, t = i / half, k = i % half + (hi ? half : 0);
-  return t < L ? t * S + k : W + (t - L) * S + k;
+// fold: two registers whose leaves hold S lanes each -> one whose leaves hold S / 2, each lane the
+// max of two lanes of one leaf. Shapes the ISAs do in one instruction or two: leaves wider than a
+// 128-bit chunk take halves across chunks (vperm2i128, vshufi64x2); within a chunk, a's leaves'
+// halves then b's (unpack, shufps); the last level (S = 2) shifts and blends. The leaves end up in
+// a fixed order in the lanes, which kLeafBlock undoes by loading the blocks in its order.
+constexpr int fold_src(int S, int i, bool hi) {  // lane i of the fold: lane of a|b (b from W)
+  const int c = S > 8 ? 0 : i / 8, j = S > 8 ? i : i % 8, span = S > 8 ? W : 8;
+  const int L = span / S, half = S / 2, t = j / half, k = j % half + (hi ? half : 0);
+  return t < L ? c * 8 + t * S + k : W + c * 8 + (t - L) * S + k;
 }
-template <int L, int... I>
+template <int S, int... I>
 inline V fold(V a, V b, std::integer_sequence<int, I...>) {
-  return vmax(__builtin_shufflevector(a, b, fold_index(L, I, false)...),
-              __builtin_shufflevector(a, b, fold_index(L, I, true)...));
-}
-// The tree over leaf(first .. first + N - 1), depth first (few registers live at a time).
-template <int N, typename Leaf>
-inline V tree(Leaf& leaf, int first) {
-  if constexpr (N == 1) {
-    return leaf(first);
+  if constexpr (S == 2) {
+    const V ea = vmax(a, reinterpret_cast<V>(reinterpret_cast<VU32>(a) >> 16));
+    const V eb = vmax(b, reinterpret_cast<V>(reinterpret_cast<VU32>(b) << 16));
+    return __builtin_shufflevector(ea, eb, (I % 2 ? W + I : I)...);
   } else {
-    return fold<N / 2>(tree<N / 2>(leaf, first), tree<N / 2>(leaf, first + N / 2),
-                       std::make_integer_sequence<int, W>{});
+    return vmax(__builtin_shufflevector(a, b, fold_src(S, I, false)...),
+                __builtin_shufflevector(a, b, fold_src(S, I, true)...));
+  }
+}
+// The leaf each lane holds after the tree over leaves first .. first + N - 1.
+template <int N>
+constexpr std::array<int, W> tree_leaves(int first) {
+  std::array<int, W> out{};
+  if constexpr (N == 1) {
+    for (int i = 0; i < W; ++i) out[i] = first;
+  } else {
+    const auto a = tree_leaves<N / 2>(first), b = tree_leaves<N / 2>(first + N / 2);
+    constexpr int S = 2 * W / N;
+    for (int i = 0; i < W; ++i) {
+      const int src = S == 2 ? (i % 2 ? W + i - 1 : i) : fold_src(S, i, false);
+      out[i] = src < W ? a[src] : b[src - W];
+    }
+  }
+  return out;
+}
+constexpr std::array<int, W> leaf_blocks() {
+  const auto lanes = tree_leaves<W>(0);
+  std::array<int, W> block{};
+  for (int i = 0; i < W; ++i) block[lanes[i]] = i;
+  return block;
+}
+constexpr std::array<int, W> kLeafBlock = leaf_blocks();  // leaf -> the block it loads
+// Lane i = the max of block(i), from leaves loaded through kLeafBlock; depth first (few registers
+// live at a time).
+template <int N, typename Block>
+inline V tree(Block& block, int first) {
+  if constexpr (N == 1) {
+    return block(kLeafBlock[first]);
+  } else {
+    return fold<2 * W / N>(tree<N / 2>(block, first), tree<N / 2>(block, first + N / 2),
+                           std::make_integer_sequence<int, W>{});
   }
 }
 
@@ -173,7 +208,13 @@ inline float value(In<S> x) {
 // The high 16 bits of two registers of 32-bit lanes, in order.
 template <int... I>
 inline V high_halves(VU32 lo, VU32 hi, std::integer_sequence<int, I...>) {
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+  return reinterpret_cast<V>(_mm256_permute4x64_epi64(
+      _mm256_packus_epi32(reinterpret_cast<__m256i>(lo >> 16), reinterpret_cast<__m256i>(hi >> 16)),
+      0xD8));
+#else
   return __builtin_shufflevector(reinterpret_cast<V>(lo), reinterpret_cast<V>(hi), (2 * I + 1)...);
+#endif
 }
 // kLanes32 fp32 values -> keys in the high halves of their bits: bf16 rounding (RNE; a NaN stays
 // a NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
