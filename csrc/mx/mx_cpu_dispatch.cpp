@@ -2,6 +2,7 @@
 // set that both the build (ZRW_HAVE_X86_ISAS) and the CPU support, unless
 // ZRW_CPU_ISA=base|avx2|avx512 asks for a specific one (tests run every variant to check they
 // give the same bytes).
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -111,6 +112,11 @@ const char* gemm_path_name() { return gemm_path() == Gemm::BF16 ? "bf16" : "fp32
 
 const char* active_isa() { return chosen().name; }
 
+void parallel_for(int64_t begin, int64_t end, int64_t grain,
+                  const std::function<void(int64_t, int64_t)>& f) {
+  at::parallel_for(begin, end, grain, f);
+}
+
 void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,
                        int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                        const QuantOutputs& out) {
@@ -118,7 +124,22 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
                   (src_dtype == at::kFloat && (round_to == at::kBFloat16 || round_to == at::kHalf)),
               "zrw internal: quantize_matrices rounds fp32 sources to bf16 or fp16 only, got ",
               src_dtype, " -> ", round_to);
-  chosen().quantize(src, src_dtype, round_to, nmat, N, K, fmt, mode, out);
+  TORCH_CHECK(src_dtype == at::kBFloat16 || src_dtype == at::kHalf || src_dtype == at::kFloat,
+              "zrw internal: quantize_matrices takes bf16, fp16 or fp32 sources, got ", src_dtype);
+  TORCH_CHECK(!(out.row_data && out.tile_data),
+              "zrw internal: quantize_matrices writes blocks along rows or 32x32 tiles in one "
+              "call, not both");
+  Src kind = Src::F32;
+  if (src_dtype == at::kBFloat16) {
+    kind = Src::BF16;
+  } else if (src_dtype == at::kHalf) {
+    kind = Src::F16;
+  } else if (round_to == at::kBFloat16) {
+    kind = Src::F32AsBF16;
+  } else if (round_to == at::kHalf) {
+    kind = Src::F32AsF16;
+  }
+  chosen().quantize(src, kind, nmat, N, K, fmt, mode, out);
 }
 
 void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,

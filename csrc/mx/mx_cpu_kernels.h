@@ -1,7 +1,7 @@
-// The CPU quantization and dequantization kernels' interface. mx_cpu_quant_kernel.cpp and
-// mx_cpu_dequant_kernel.cpp are compiled once per instruction set into namespaces
-// zrw::cpu::{base, avx2, avx512}; the functions at the end pick one at first use (the best the
-// CPU supports, or ZRW_CPU_ISA from the environment).
+// The CPU quantization and dequantization kernels' entry points. mx_cpu_quant_kernel.cpp and
+// mx_cpu_dequant_kernel.cpp are compiled once per instruction set (their interface, in plain
+// C++: mx_cpu_isa.h); the functions at the end pick one build at first use (the best the CPU
+// supports, or ZRW_CPU_ISA from the environment).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,18 +9,9 @@
 #include <cstdint>
 
 #include "../common/mx_format.h"
+#include "mx_cpu_isa.h"
 
 namespace zrw::cpu {
-
-// Output pointers for matrix 0 of a dense stack of `nmat` matrices (N, K); null skips a layout.
-struct QuantOutputs {
-  uint8_t* row_data = nullptr;    // (N, K), blocks along K
-  uint8_t* row_scale = nullptr;   // (N, ceil(K/32))
-  uint8_t* col_data = nullptr;    // (N, K), blocks along N
-  uint8_t* col_scale = nullptr;   // (ceil(N/32), K)
-  uint8_t* tile_data = nullptr;   // (N, K), 32x32 tiles
-  uint8_t* tile_scale = nullptr;  // (ceil(N/32), ceil(K/32))
-};
 
 // Quantizes a contiguous stack of `nmat` matrices (N, K) of src_dtype (bf16, fp16, fp32) into
 // every layout whose pointers are set, reading each element once. `round_to` is Undefined
@@ -28,9 +19,9 @@ struct QuantOutputs {
 // fp16: each element is first rounded to that dtype the way torch converts it
 // (mx::f32_to_bf16_bits_rne, mx::round_f32_to_f16_value), in the same pass, so the bytes are
 // those of quantizing `src.to(round_to)` without that tensor ever existing.
-using QuantizeMatricesFn = void (*)(const void* src, at::ScalarType src_dtype,
-                                    at::ScalarType round_to, int64_t nmat, int64_t N, int64_t K,
-                                    mx::ElemFormat fmt, mx::ScaleMode mode,
+// (The per-ISA builds take the source as an Src, mx_cpu_isa.h.)
+using QuantizeMatricesFn = void (*)(const void* src, Src src_kind, int64_t nmat, int64_t N,
+                                    int64_t K, mx::ElemFormat fmt, mx::ScaleMode mode,
                                     const QuantOutputs& out);
 
 // Dequantizes n elements of one row: out[j] = decode(data[j]) * 2^(scale - 127), where the
@@ -45,25 +36,6 @@ using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uin
 // round.
 using DequantizeBf16Fn = void (*)(mx::ElemFormat fmt, const uint8_t* data,
                                   const uint8_t* scales, int64_t n, uint16_t* out);
-
-#define ZRW_DECLARE_CPU_ISA(isa)                                                              \
-  namespace isa {                                                                             \
-  void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType round_to,  \
-                         int64_t nmat, int64_t N, int64_t K, mx::ElemFormat fmt,              \
-                         mx::ScaleMode mode, const QuantOutputs& out);                        \
-  void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,  \
-                             int64_t n, float* out);                                          \
-  void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
-                              int64_t n, float* out);                                         \
-  void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data,                    \
-                                  const uint8_t* scales, int64_t n, uint16_t* out);           \
-  void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data,                   \
-                                   const uint8_t* scales, int64_t n, uint16_t* out);          \
-  }
-ZRW_DECLARE_CPU_ISA(base)
-ZRW_DECLARE_CPU_ISA(avx2)
-ZRW_DECLARE_CPU_ISA(avx512)
-#undef ZRW_DECLARE_CPU_ISA
 
 // The instruction set the kernels run with: "avx512", "avx2" or "base".
 const char* active_isa();

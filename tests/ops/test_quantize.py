@@ -192,7 +192,7 @@ SHAPE_DIMS = [
     ((31, 65), -2), ((64,), 0), ((3, 40, 5), 1), ((3, 40, 5), 0), ((3, 40, 5), -1),
     ((2, 3, 33, 7), 0), ((2, 3, 33, 7), 1), ((2, 3, 33, 7), -2), ((2, 3, 7, 33), -1),
 ]
-# past the kernels' column chunks (512 columns portable, 2048 AVX-512) and their 32-row strips
+# past the kernel's 2048-column chunks and 64-block row groups, and its 32-row strips
 BIG_SHAPE_DIMS = [((4, 1100), -1), ((1100, 3), 0), ((3, 2100), -1), ((40, 2112), 0)]
 
 
@@ -359,7 +359,7 @@ def test_quantize_non_contiguous_3d_and_4d():
 
 
 WEIGHT_SHAPES = [(1, 1), (1, 33), (33, 1), (100, 70), (31, 65), (3, 40, 70), (2, 33, 65), (1, 1, 1)]
-# past the kernels' column chunks (512 columns portable, 2048 AVX-512)
+# past the kernel's 2048-column chunks
 BIG_WEIGHT_SHAPES = [(40, 1100), (2, 40, 530), (40, 2100), (33, 4160)]
 DUAL_KINDS = ["randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "specials",
               "nonfinite", "ties"]
@@ -726,7 +726,7 @@ def test_large_weight_every_layout_matches_reference():
 # every CPU kernel build (ZRW_CPU_ISA), each in its own process
 
 
-# Compared in the child: several shapes (aligned, unaligned, K past the kernel's 512-column
+# Compared in the child: several shapes (aligned, unaligned, K past the kernel's 2048-column
 # chunk), every input dtype, element format and scale mode, the three quantize ops, on inputs
 # with a wide exponent range, amax mantissas above 1.75, ties, subnormals and specials.
 ISA_SCRIPT = textwrap.dedent(
