@@ -66,6 +66,11 @@ assert torch.equal(w.to_local(), (full * 2).bfloat16())
 
 # a frozen DTensor weight is released for good only with release_frozen
 f = dtensor(full.bfloat16(), requires_grad=False)
+# distribute_tensor's local shard is a view of the temporary bf16 tensor, which a reference cycle
+# inside DTensor's construction can keep alive until the cyclic GC runs: the release guard then
+# (rightly) sees an aliased storage and keeps it. Collect first, so the shard owns its storage.
+import gc
+gc.collect()
 cache.quant_and_release(f, recipe)
 assert cache.cache_state(f) == "none"  # kept frozen weights are quantized at each use, never filed
 cache.quant_and_release(f, recipe, release_frozen=True)
