@@ -266,7 +266,7 @@ def test_the_write_digest_sees_every_kind_of_change():
 def test_the_digest_is_the_same_in_every_isa_build():
     """The digest loop is compiled per instruction set (csrc/common/digest.cpp): every build
     this CPU runs, forced with ZRW_CPU_ISA in its own process, gives the same digests, for
-    lengths that end inside an 8-byte word and past the threads' chunks."""
+    lengths that end inside an 8-byte word and past one thread's share."""
     import json
     import os
     import subprocess
@@ -295,8 +295,8 @@ def test_the_digest_is_the_same_in_every_isa_build():
 
 def test_the_write_back_digest_is_the_digest_of_what_it_wrote():
     """MasterWeights' write-back takes each unreleased parameter's digest as it writes it
-    (cache.write_back, chunk by chunk): the same value weight_digest reads afterwards, for
-    parameters of one chunk, several chunks, and a length that ends inside a word."""
+    (cache.write_back): the same value weight_digest reads afterwards, for small and
+    multi-thread-sized parameters and a length that ends inside a word."""
     from zrw import cache
 
     g = torch.Generator().manual_seed(0)

@@ -390,8 +390,8 @@ class WeightCache {
   // quantization and for any restore. Returns the number kept released then.
   //
   // digests (int64, (len(weights), 2)): row i gets (1, the digest of weight i's bytes after the
-  // write, common/digest.h) for a weight written in place (a contiguous CPU tensor), taken chunk
-  // by chunk while the written bytes are still in cache, else (0, 0).
+  // write, common/digest.h) for a weight written in place (a contiguous CPU tensor), taken right
+  // after the write while its bytes are still in cache, else (0, 0).
   int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs,
                          bool keep_released, const std::optional<at::Tensor>& digests) {
     constexpr const char* op = "zrw.assign_weights";

@@ -6,8 +6,8 @@
 //
 // The digest is a sum over words, so it can be taken in pieces: `words` over any split of
 // [0, nbytes / 8) into ranges, summed, then `finish` — what zrw._C.bits_digest does with threads,
-// and what the write-back does chunk by chunk right after writing each chunk (its bytes are
-// then still in cache: one pass over the parameter instead of a copy and a second read).
+// and what the write-back does right after writing each parameter (its bytes are then still in
+// cache: one pass over memory instead of a copy and a second read later).
 #pragma once
 
 #include <cstdint>

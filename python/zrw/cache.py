@@ -602,8 +602,8 @@ def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
 def write_back(weights: Sequence[Tensor], sources: Sequence[Tensor],
                keep_released: bool) -> List[Optional[int]]:
     """assign_weights for MasterWeights' write-back: also returns, per weight, the digest of
-    the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken while
-    each chunk is still in cache, or None (released, or not a contiguous CPU tensor). Arguments
+    the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken right
+    after each write, from cache, or None (released, or not a contiguous CPU tensor). Arguments
     checked by the caller."""
     digests = torch.empty(len(weights), 2, dtype=torch.int64)
     torch.ops.zrw.assign_weights(weights, sources, keep_released, digests)

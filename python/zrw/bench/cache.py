@@ -144,7 +144,7 @@ def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
 
     The digest mode's check is the comparison before the step (`_sync_masters`), the record
     after the write-back (`_record_written`) and what taking the digests costs the write-back
-    itself (they are taken chunk by chunk as it writes, cache.write_back): the best of
+    itself (they are taken right after each write, cache.write_back): the best of
     interleaved write-backs with and without digests, the difference."""
     g = torch.Generator().manual_seed(0)
     sets = {mode: [torch.nn.Parameter(torch.randn(dim, dim, generator=g).to(BF16))
