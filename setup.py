@@ -5,6 +5,7 @@ Everything about the build graph lives in CMakeLists.txt. This file only passes 
 knows: torch's include and library directories and its C++ ABI flag.
 Build against the installed torch with `pip install --no-build-isolation .` (or `-e .`).
 """
+
 import os
 import subprocess
 import sys
@@ -35,8 +36,9 @@ class CMakeBuild(build_ext):
         generator = ["-G", "Ninja"] if _have("ninja") else []
         subprocess.run(["cmake", str(ROOT), *generator, *args], cwd=build_dir, check=True)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_dir,
-                       check=True)
+        subprocess.run(
+            ["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_dir, check=True
+        )
 
 
 def cmake_args(out_dir, cfg: str = "Release") -> list:

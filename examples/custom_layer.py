@@ -12,6 +12,7 @@ Trained with zrw.optim.AdamW (FP32 masters, the zrw boundary attached): run it t
 losses with release on and off, bit for bit, and 2 bytes released per weight element.
 `python examples/custom_layer.py`
 """
+
 import torch
 
 import zrw
@@ -41,7 +42,7 @@ class MXProjectionFn(torch.autograd.Function):
 class MXProjection(torch.nn.Module):
     def __init__(self, d_in, d_out, release=True):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) * d_in ** -0.5)
+        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) * d_in**-0.5)
         self.release = release
 
     def forward(self, x):
@@ -49,16 +50,16 @@ class MXProjection(torch.nn.Module):
         # (what zrw's own layers do), so a weight no optimizer steps is never left released.
         q = ops.quant_and_release(self.weight, "mxfp8", self.release, require_owner=True)
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        y = MXProjectionFn.apply(x2d, self.weight, q.fwd.data, q.fwd.scale, q.bwd.data,
-                                 q.bwd.scale)
+        y = MXProjectionFn.apply(x2d, self.weight, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale)
         return y.reshape(*x.shape[:-1], -1)
 
 
 def train(release, steps=4, micro_batches=2):
     zrw.cache.cache_clear()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(MXProjection(64, 256, release), torch.nn.GELU(),
-                                MXProjection(256, 64, release)).to(torch.bfloat16)
+    model = torch.nn.Sequential(
+        MXProjection(64, 256, release), torch.nn.GELU(), MXProjection(256, 64, release)
+    ).to(torch.bfloat16)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses, released = [], []
@@ -82,8 +83,10 @@ def main():
     off = train(False)
     same = on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[2], off[2]))
     print(f"losses (release on):  {[round(v, 4) for v in on[0]]}")
-    print(f"BF16 bytes released per step: {on[1]} for {on[3]} weight elements "
-          f"({on[1][-1] / on[3]:.0f} bytes each); release off: {off[1]}")
+    print(
+        f"BF16 bytes released per step: {on[1]} for {on[3]} weight elements "
+        f"({on[1][-1] / on[3]:.0f} bytes each); release off: {off[1]}"
+    )
     print(f"release on vs off, losses and final weights bit for bit: {same}")
     return on, off, same
 

@@ -7,6 +7,7 @@ y = Q_K(x) @ W_fwd^T and dgrad Q_N(dy) @ W_bwd through mx_matmul; wgrad dy^T x i
 layer calls quant_and_release OUTSIDE the Function: inside Function.forward grad mode is off and
 the release guard would skip the release as "no_grad".
 """
+
 import gc
 
 import pytest
@@ -55,8 +56,9 @@ def value(w):
 def param(*shape, seed=0, requires_grad=True):
     """A bf16 Parameter of randn values from its own generator."""
     g = torch.Generator().manual_seed(seed)
-    return torch.nn.Parameter(torch.randn(*shape, generator=g).to(BF16),
-                              requires_grad=requires_grad)
+    return torch.nn.Parameter(
+        torch.randn(*shape, generator=g).to(BF16), requires_grad=requires_grad
+    )
 
 
 class MXLinearFn(torch.autograd.Function):

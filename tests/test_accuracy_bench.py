@@ -2,6 +2,7 @@
 mode has its curves, release on and off give the same curves bit for bit, the gaps are computed
 from the final held-out losses, and the telemetry is there for every MXFP8 mode. No figure of
 quality is asserted (a few steps of a tiny model say nothing about a recipe)."""
+
 import json
 import math
 import os
@@ -30,7 +31,7 @@ def test_spread_says_when_seeds_disagree():
     s = accuracy.spread([0.5, 0.2, 0.1])
     assert s["mean"] == pytest.approx(0.8 / 3)
     assert s["std"] == pytest.approx(0.2081665999, rel=1e-6)
-    assert s["ci95"] == pytest.approx(4.303 * s["std"] / 3 ** 0.5)
+    assert s["ci95"] == pytest.approx(4.303 * s["std"] / 3**0.5)
     assert not s["resolved"] and "within the seed spread" in accuracy.verdict(s, "x")
     s = accuracy.spread([1.0, 1.1, 0.9])
     assert s["resolved"] and "above beyond the seed spread" in accuracy.verdict(s, "x")
@@ -39,9 +40,22 @@ def test_spread_says_when_seeds_disagree():
 
 def test_bench_accuracy_tiny(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "zrw.bench", "accuracy", "--setting", "tiny", "--json",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            "-m",
+            "zrw.bench",
+            "accuracy",
+            "--setting",
+            "tiny",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     c = r["config"]
@@ -66,9 +80,14 @@ def test_bench_accuracy_tiny(tmp_path):
     assert len(off) == 1 and off[0]["mode"] == c["release_off"]
     assert off[0]["train_loss"] == on[c["release_off"]]["train_loss"]
     assert off[0]["heldout"] == on[c["release_off"]]["heldout"]
-    assert r["summary"]["release_off"] == [{
-        "seed": 0, "mode": c["release_off"], "train_loss_bitwise_equal": True,
-        "heldout_bitwise_equal": True}]
+    assert r["summary"]["release_off"] == [
+        {
+            "seed": 0,
+            "mode": c["release_off"],
+            "train_loss_bitwise_equal": True,
+            "heldout_bitwise_equal": True,
+        }
+    ]
     # telemetry at the first, middle and last step of every MXFP8 mode, none for the baseline
     assert on["baseline"]["telemetry"] == []
     for mode in modes[1:]:
@@ -76,7 +95,8 @@ def test_bench_accuracy_tiny(tmp_path):
         assert [s["step"] for s in snaps] == [0, 2, 3]
         tensors = {x["tensor"] for x in snaps[-1]["summary"]}
         want = {"weight", "activation", "gradient"} | (
-            {"weight_bwd"} if mode.startswith("mxfp8/") else set())
+            {"weight_bwd"} if mode.startswith("mxfp8/") else set()
+        )
         assert tensors == want
         for x in snaps[-1]["summary"]:
             assert x["scale_mode"] == mode.split("/")[1]
@@ -89,9 +109,11 @@ def test_bench_accuracy_tiny(tmp_path):
 
 def test_results_of_other_seeds_merge(tmp_path):
     def result(seeds, steps=10):
-        return {"config": {"seeds": seeds, "steps": steps, "out": "x"},
-                "corpus": {"train_tokens": 100},
-                "runs": [{"seed": s, "mode": "baseline"} for s in seeds]}
+        return {
+            "config": {"seeds": seeds, "steps": steps, "out": "x"},
+            "corpus": {"train_tokens": 100},
+            "runs": [{"seed": s, "mode": "baseline"} for s in seeds],
+        }
 
     paths = []
     for i, r in enumerate([result([0, 1]), result([2]), result([1]), result([3], steps=20)]):

@@ -5,6 +5,7 @@ is that every figure is there, finite and positive, that exact figures (bytes, r
 from them) are what they must be, and that each benchmark runs in its own process as
 docs/design.md §9 says (`python -m zrw.bench NAME --json`).
 """
+
 import json
 import math
 import os
@@ -15,8 +16,13 @@ import pytest
 
 
 def run_bench(*args, timeout=300):
-    out = subprocess.run([sys.executable, "-m", "zrw.bench", *args, "--json"], capture_output=True,
-                         text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    out = subprocess.run(
+        [sys.executable, "-m", "zrw.bench", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -28,29 +34,48 @@ def positive(x):
 def test_bench_quant_json():
     r = run_bench("quant", "--n", "256", "--k", "320", "--mm", "64", "--repeat", "2")
     assert r["shape"] == [256, 320]
-    assert set(r["ms"]) >= {"copy", "dual", "block", "single_dim_-1", "single_dim_0",
-                            "dual_1_thread", "copy_1_thread", "matmul_bf16", "mx_matmul"}
+    assert set(r["ms"]) >= {
+        "copy",
+        "dual",
+        "block",
+        "single_dim_-1",
+        "single_dim_0",
+        "dual_1_thread",
+        "copy_1_thread",
+        "matmul_bf16",
+        "mx_matmul",
+    }
     for name, v in r["ms"].items():
         assert v is None or positive(v), name
     for name, v in r["ratio_to_copy"].items():
         assert positive(v) and v == pytest.approx(r["ms"][name] / r["ms"]["copy"]), name
     # The fused master ops against an fp32 copy, beside the bf16 ops against the bf16 copy.
-    assert set(r["ms"]) >= {"copy_fp32", "dual_from_master", "block_from_master",
-                            "single_dim_-1_from_master", "cast_then_dual"}
+    assert set(r["ms"]) >= {
+        "copy_fp32",
+        "dual_from_master",
+        "block_from_master",
+        "single_dim_-1_from_master",
+        "cast_then_dual",
+    }
     fm = r["from_master"]
     assert fm["param_dtype"] == "bfloat16"
     for name, v in fm["ratio_to_fp32_copy"].items():
         key = name if name == "cast_then_dual" else f"{name}_from_master"
         assert positive(v) and v == pytest.approx(r["ms"][key] / r["ms"]["copy_fp32"]), name
     assert set(fm["ratio_to_fp32_copy"]) == {"dual", "block", "single_dim_-1", "cast_then_dual"}
-    assert fm["bf16_ratio_to_bf16_copy"] == {k: r["ratio_to_copy"][k]
-                                             for k in ("dual", "block", "single_dim_-1")}
+    assert fm["bf16_ratio_to_bf16_copy"] == {
+        k: r["ratio_to_copy"][k] for k in ("dual", "block", "single_dim_-1")
+    }
     assert r["cpu_isa"] in ("avx512", "avx2", "base")
     # Which GEMM mx_matmul ran: the process's path (bf16 where the CPU has native BF16).
-    assert (r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32")
-            or "ZRW_CPU_GEMM" in os.environ)
-    assert r["mx_matmul_gemm_ran"] and set(r["mx_matmul_gemm_ran"]) <= {"fp32", "bf16",
-                                                                       "bf16_to_fp32"}
+    assert (
+        r["gemm_path"] == ("bf16" if r["native_bf16"] else "fp32") or "ZRW_CPU_GEMM" in os.environ
+    )
+    assert r["mx_matmul_gemm_ran"] and set(r["mx_matmul_gemm_ran"]) <= {
+        "fp32",
+        "bf16",
+        "bf16_to_fp32",
+    }
     # glibc here: the warm-heap setting applies and the fresh-pages timing exists
     assert r["allocator"] == "glibc, freed memory kept in the heap"
     assert positive(r["ms"]["dual_fresh_output_pages"])
@@ -83,15 +108,34 @@ def test_typical_step_takes_the_saving_most_steps_measured():
 
 
 def test_bench_unknown_name_is_an_error():
-    out = subprocess.run([sys.executable, "-m", "zrw.bench", "nope"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "zrw.bench", "nope"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "unknown benchmark 'nope'" in out.stderr
 
 
 def test_bench_cache_json():
-    r = run_bench("cache", "--sizes", "64x96", "--repeat", "1", "--dim", "64", "--layers", "2",
-                  "--tokens", "8", "--micro", "1", "--steps", "1", "--check-params", "2",
-                  "--check-dim", "64")
+    r = run_bench(
+        "cache",
+        "--sizes",
+        "64x96",
+        "--repeat",
+        "1",
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--tokens",
+        "8",
+        "--micro",
+        "1",
+        "--steps",
+        "1",
+        "--check-params",
+        "2",
+        "--check-dim",
+        "64",
+    )
     wc = r["write_check"]
     assert (wc["params"], wc["dim"]) == (2, 64)
     for mode in ("digest", "bit comparison"):
@@ -109,8 +153,20 @@ def test_bench_cache_json():
 def test_bench_quant_every_kernel_build_in_its_own_process():
     from helpers.quant import ISA_REQUIREMENTS, cpu_flags
 
-    r = run_bench("quant", "--n", "64", "--k", "96", "--mm", "32", "--repeat", "1",
-                  "--isa", "all", timeout=600)
+    r = run_bench(
+        "quant",
+        "--n",
+        "64",
+        "--k",
+        "96",
+        "--mm",
+        "32",
+        "--repeat",
+        "1",
+        "--isa",
+        "all",
+        timeout=600,
+    )
     assert list(r) == ["avx512", "avx2", "base"]
     for isa, res in r.items():
         if not ISA_REQUIREMENTS[isa] <= cpu_flags():
@@ -119,20 +175,43 @@ def test_bench_quant_every_kernel_build_in_its_own_process():
         assert res["cpu_isa"] == isa  # the child ran the forced build
         assert positive(res["bandwidth"][str(res["threads"])]["dual"]["x_copy_time"])
     # The table ends with every build against the targets.
-    out = subprocess.run([sys.executable, "-m", "zrw.bench", "quant", "--n", "64", "--k", "96",
-                          "--mm", "32", "--repeat", "1", "--isa", "base"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zrw.bench",
+            "quant",
+            "--n",
+            "64",
+            "--k",
+            "96",
+            "--mm",
+            "32",
+            "--repeat",
+            "1",
+            "--isa",
+            "base",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "targets: time over the copy" in out.stdout and "\n  base " in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "zrw.bench", "quant", "--isa", "sse9000"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "zrw.bench", "quant", "--isa", "sse9000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0
     assert "--isa: unknown kernel build(s) ['sse9000']" in bad.stderr
 
 
 def test_bench_step_json_memory_in_units_of_n():
-    r = run_bench("step", "--dim", "128", "--layers", "4", "--tokens", "8", "--micro", "1",
-                  "--steps", "2")
+    r = run_bench(
+        "step", "--dim", "128", "--layers", "4", "--tokens", "8", "--micro", "1", "--steps", "2"
+    )
     for foreach in ("False", "True"):
         runs = r["foreach"][foreach]
         n = runs["cache"]["n"]
@@ -150,9 +229,23 @@ def test_bench_step_json_memory_in_units_of_n():
 
 
 def test_bench_linear_json():
-    r = run_bench("linear", "--tokens", "16", "--shapes", "64x96", "--repeat", "1",
-                  "--stack-hidden", "64", "--stack-layers", "2", "--stack-tokens", "32",
-                  "--model-hidden", "64")
+    r = run_bench(
+        "linear",
+        "--tokens",
+        "16",
+        "--shapes",
+        "64x96",
+        "--repeat",
+        "1",
+        "--stack-hidden",
+        "64",
+        "--stack-layers",
+        "2",
+        "--stack-tokens",
+        "32",
+        "--model-hidden",
+        "64",
+    )
     assert r["gemm_path"] in ("fp32", "bf16") and isinstance(r["native_bf16"], bool)
     (stack,) = r["stack"]
     assert (stack["hidden"], stack["layers"]) == (64, 2)
@@ -173,20 +266,35 @@ def test_bench_fsdp_json_counts_exact_bytes():
     # for forward and again for backward. BF16: 2 bytes per element; mxfp8: one FP8 plane per
     # direction plus its scales (one per 32 elements); 32x32: one FP8 copy plus a scale per tile.
     dim, layers = 64, 2
-    r = run_bench("fsdp", "--dim", str(dim), "--layers", str(layers), "--tokens", "32",
-                  "--micro-batches", "1", "--steps", "1")
+    r = run_bench(
+        "fsdp",
+        "--dim",
+        str(dim),
+        "--layers",
+        str(layers),
+        "--tokens",
+        "32",
+        "--micro-batches",
+        "1",
+        "--steps",
+        "1",
+    )
     gathers = 2 * layers
     # The RFC's original MXFP8 scheme (mxfp8-both-planes) sends both planes in every gather.
-    expected = {"bf16": gathers * dim * dim * 2,
-                "mxfp8-both-planes": gathers * 2 * (dim * dim + dim * dim // 32),
-                "mxfp8": gathers * (dim * dim + dim * dim // 32),
-                "mxfp8-32x32": gathers * (dim * dim + (dim // 32) ** 2)}
+    expected = {
+        "bf16": gathers * dim * dim * 2,
+        "mxfp8-both-planes": gathers * 2 * (dim * dim + dim * dim // 32),
+        "mxfp8": gathers * (dim * dim + dim * dim // 32),
+        "mxfp8-32x32": gathers * (dim * dim + (dim // 32) ** 2),
+    }
     assert set(r["recipes"]) == set(expected)
     for recipe, nbytes in expected.items():
         assert r["recipes"][recipe]["gather_bytes_per_step"] == nbytes, recipe
         assert r["ratio_to_bf16"][recipe]["gather_bytes"] == nbytes / expected["bf16"]
-        assert (r["ratio_to_original_mxfp8"][recipe]["gather_bytes"]
-                == nbytes / expected["mxfp8-both-planes"])
+        assert (
+            r["ratio_to_original_mxfp8"][recipe]["gather_bytes"]
+            == nbytes / expected["mxfp8-both-planes"]
+        )
         for key in ("gather_ms_per_step", "step_ms"):  # times: there, never asserted
             assert positive(r["recipes"][recipe][key]), (recipe, key)
     assert r["rfc_target_gather_time_reduction"] == [0.2, 0.3]
@@ -201,8 +309,19 @@ def test_bench_hf_lora_frozen_base_holds_only_its_fp8_copy():
     base released for good holds exactly its FP8 copy instead of its 2 bytes per weight (a
     base that keeps its BF16 is quantized at each use and holds no copy then), it saves in
     the forward/backward window too, and the losses are the same bits."""
-    r = run_bench("hf", "--jobs", "lora", "--hidden", "128", "--layers", "1", "--steps", "3",
-                  "--recipe", "mxfp8-32x32")
+    r = run_bench(
+        "hf",
+        "--jobs",
+        "lora",
+        "--hidden",
+        "128",
+        "--layers",
+        "1",
+        "--steps",
+        "3",
+        "--recipe",
+        "mxfp8-32x32",
+    )
     on, off = r["lora/on"], r["lora/off"]
     two_n = 2 * on["converted"]
     assert on["converted"] > 0 and off["fp8_bytes"] == 0

@@ -77,6 +77,7 @@ RECIPES = list(cache.RECIPES)
 # ------------------------------------------------------------------------------------------------
 # Release frees exactly the weight's bytes; restore brings back exactly that many.
 
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("fill", ["empty", "zeros", "dequant"])
 @pytest.mark.parametrize("shape", [(96, 64), (72, 40)])
@@ -95,8 +96,9 @@ def test_release_frees_exact_bytes_and_restore_returns_them(recipe, fill, shape)
     # fp8_bytes is the bytes the FP8 copy holds (its storages), as the allocator sees them.
     assert st["fp8_bytes"] == fp8, "cache_stats()['fp8_bytes'] != bytes held by the FP8 tensors"
     assert cache.is_released(w) and cache.is_cached(w)
-    assert cache.cache_entries() == [dict(name="w", status="released", hits=0, misses=1,
-                                        storage_bytes=nbytes)]
+    assert cache.cache_entries() == [
+        dict(name="w", status="released", hits=0, misses=1, storage_bytes=nbytes)
+    ]
     assert_raises_released(w, "w")
     with pytest.raises(RuntimeError, match=RELEASE_MSG):
         w.untyped_storage().data_ptr()
@@ -219,29 +221,51 @@ _ACCESS_SCRIPT = textwrap.dedent(r"""
     print("DONE", flush=True)
 """)
 
-_ACCESS_KEYS = ["sum", "add", "inplace_add_nograd", "inplace_add_data", "clone", "detach_clone",
-                "to_float", "item", "tolist", "numpy", "repr", "str", "print", "save_state_dict",
-                "save_tensor", "deepcopy_module", "F.linear", "module_call", "matmul", "copy_out",
-                "copy_in"]
+_ACCESS_KEYS = [
+    "sum",
+    "add",
+    "inplace_add_nograd",
+    "inplace_add_data",
+    "clone",
+    "detach_clone",
+    "to_float",
+    "item",
+    "tolist",
+    "numpy",
+    "repr",
+    "str",
+    "print",
+    "save_state_dict",
+    "save_tensor",
+    "deepcopy_module",
+    "F.linear",
+    "module_call",
+    "matmul",
+    "copy_out",
+    "copy_in",
+]
 
 
 def test_every_access_to_released_weight_raises_named_error():
     """sum, in-place add, clone, print/repr, torch.save of a state_dict, F.linear, ... each raise
     zrw's error naming the weight and the fix; run in a child process so that a segfault (rc -11)
     fails the test instead of killing the run."""
-    r = subprocess.run([sys.executable, "-c", _ACCESS_SCRIPT], capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-c", _ACCESS_SCRIPT], capture_output=True, text=True, timeout=180
+    )
     report = f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
     assert r.returncode == 0, report
     lines = set(r.stdout.splitlines())
-    missing = [f"{rc} {k}" for rc in RECIPES for k in _ACCESS_KEYS
-               if f"RAISED {rc} {k}" not in lines]
+    missing = [
+        f"{rc} {k}" for rc in RECIPES for k in _ACCESS_KEYS if f"RAISED {rc} {k}" not in lines
+    ]
     assert not missing, f"no zrw error for {missing}\n{report}"
     assert all(f"RESTORED_OK {rc}" in lines for rc in RECIPES) and "DONE" in lines, report
 
 
 # ------------------------------------------------------------------------------------------------
 # Autograd with a released leaf.
+
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gradients_accumulate_into_released_weight(recipe):
@@ -290,6 +314,7 @@ def test_dgrad_flows_through_released_weight(recipe):
 # ------------------------------------------------------------------------------------------------
 # Hits, misses and the step lifecycle.
 
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_second_call_in_step_is_hit_with_same_tensors(recipe):
     w = param(64, 96)
@@ -320,8 +345,7 @@ def test_hit_equals_fresh_quantization_of_original(recipe, shape):
     check_fresh(q, ref, recipe)
 
 
-@pytest.mark.parametrize("elem_dtype,scale_mode",
-                         [(torch.float8_e5m2, "floor"), (E4M3, "rceil")])
+@pytest.mark.parametrize("elem_dtype,scale_mode", [(torch.float8_e5m2, "floor"), (E4M3, "rceil")])
 def test_hit_equals_fresh_quantization_other_formats(elem_dtype, scale_mode):
     w = param(64, 96, seed=8)
     ref = w.detach().clone()
@@ -435,6 +459,7 @@ def test_bad_arguments_raise_clear_errors():
 # ------------------------------------------------------------------------------------------------
 # The release guard: each skip has its reason, and the storage is untouched.
 
+
 def _guard_cases():
     n, k = 64, 64
 
@@ -448,6 +473,7 @@ def _guard_cases():
         def call():
             with torch.no_grad():
                 return cache.quant_and_release(w, name="g")
+
         return w, w, call
 
     def no_release_ctx():
@@ -456,6 +482,7 @@ def _guard_cases():
         def call():
             with cache.no_release():
                 return cache.quant_and_release(w, name="g")
+
         return w, w, call
 
     def non_leaf():
@@ -469,7 +496,7 @@ def _guard_cases():
 
     def flat_offset():
         buf = torch.randn(2 * n * k).to(BF16)
-        w = torch.nn.Parameter(buf[n * k:].view(n, k))
+        w = torch.nn.Parameter(buf[n * k :].view(n, k))
         del buf  # the parameter alone holds the storage: only the flat-buffer check can catch it
         return w, w, lambda: cache.quant_and_release(w, name="g")
 
@@ -526,8 +553,14 @@ def _guard_cases():
 
 
 _GUARDS = _guard_cases()
-SKIP_KEYS = ["skip_release_false", "skip_no_grad", "skip_non_leaf", "skip_frozen",
-             "skip_flat_buffer", "skip_aliased"]
+SKIP_KEYS = [
+    "skip_release_false",
+    "skip_no_grad",
+    "skip_non_leaf",
+    "skip_frozen",
+    "skip_flat_buffer",
+    "skip_aliased",
+]
 
 
 @pytest.mark.parametrize("case", list(_GUARDS))
@@ -643,6 +676,7 @@ def test_cached_under_no_release_stays_unreleased_on_later_hit():
 # ------------------------------------------------------------------------------------------------
 # Frozen weights released with release_frozen=True.
 
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_frozen_weight_stays_released_through_boundaries(recipe):
     f = param(64, 96, seed=20, requires_grad=False)
@@ -706,6 +740,7 @@ def test_cache_invalidate_of_unreleased_entry_keeps_values():
 # ------------------------------------------------------------------------------------------------
 # Weak entries.
 
+
 @pytest.mark.parametrize("released", [True, False])
 def test_entry_disappears_when_parameter_is_collected(released):
     keep = param(64, 64, seed=30)
@@ -743,6 +778,7 @@ def test_collected_weights_key_is_not_confused_with_new_tensor():
 
 # ------------------------------------------------------------------------------------------------
 # restore: no-ops, fills, master.
+
 
 def test_restore_of_a_weight_that_is_not_released_raises():
     # docs/design.md §8: restoring a weight that was never released (or is not now) is an error
@@ -806,8 +842,12 @@ def test_restore_all_dequant():
 def test_invalid_fill_raises_and_keeps_weight_released(bad):
     w = param(64, 64)
     cache.quant_and_release(w, name="w")
-    calls = [lambda: cache.restore(w, bad), lambda: cache.restore_all(bad),
-             lambda: cache.cache_clear(bad), lambda: cache.cache_invalidate(w, bad)]
+    calls = [
+        lambda: cache.restore(w, bad),
+        lambda: cache.restore_all(bad),
+        lambda: cache.cache_clear(bad),
+        lambda: cache.cache_invalidate(w, bad),
+    ]
     for call in calls:
         with pytest.raises(ValueError, match="fill must be one of") as ei:
             call()
@@ -876,6 +916,7 @@ def test_restore_all_master_leaves_frozen_entries_released():
 
 # ------------------------------------------------------------------------------------------------
 # Thread safety.
+
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_concurrent_quant_and_release_on_different_weights(recipe):

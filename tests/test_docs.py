@@ -2,6 +2,7 @@
 command is the one CI runs, the design page has its numbered sections, every citation of it names
 one of them, no file cites the design outside the repository, and every relative link resolves.
 Reads files only: nothing is imported or built."""
+
 import re
 from pathlib import Path
 
@@ -25,8 +26,17 @@ SECTIONS = {
 }
 
 # Where code, tests and user docs live (docs/ itself may name the old file where it must).
-CITING = [ROOT / "python", ROOT / "csrc", ROOT / "tests", ROOT / "examples", README,
-          ROOT / "setup.py", ROOT / "CMakeLists.txt", ROOT / "pyproject.toml", ROOT / ".ci"]
+CITING = [
+    ROOT / "python",
+    ROOT / "csrc",
+    ROOT / "tests",
+    ROOT / "examples",
+    README,
+    ROOT / "setup.py",
+    ROOT / "CMakeLists.txt",
+    ROOT / "pyproject.toml",
+    ROOT / ".ci",
+]
 SUFFIXES = {".py", ".cpp", ".h", ".cu", ".md", ".txt", ".toml", ""}
 
 
@@ -42,7 +52,7 @@ def _files():
 
 def _fenced_after(text: str, label: str) -> str:
     """The first line of the first fenced block after `label`."""
-    after = text[text.index(label):]
+    after = text[text.index(label) :]
     block = re.search(r"```[a-z]*\n(.*?)\n```", after, re.S)
     return block.group(1).strip()
 
@@ -54,8 +64,11 @@ def test_readme_is_short():
 
 def test_ci_runs_the_readme_test_command():
     command = _fenced_after(README.read_text(), "**Tests**")
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.strip() and not line.lstrip().startswith("#")]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert ci[-1] == command, (ci[-1], command)
 
 
@@ -66,9 +79,12 @@ def test_design_has_its_numbered_sections():
 
 def test_no_citation_of_a_design_file_outside_the_repository():
     old = "DESIGN" + ".md"  # spelled apart so that this file does not cite it
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in _files()
-             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
-             if old in line]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in _files()
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if old in line
+    ]
     assert not found, f"cite docs/design.md §N instead: {found}"
 
 
@@ -93,9 +109,14 @@ def test_relative_links_resolve(page):
     assert not missing, f"{page.name}: {missing}"
 
 
-@pytest.mark.parametrize("page, marker", [("memory.md", "demo-table"),
-                                          ("benchmarks.md", "bench-quant"),
-                                          ("benchmarks.md", "bench-seed")])
+@pytest.mark.parametrize(
+    "page, marker",
+    [
+        ("memory.md", "demo-table"),
+        ("benchmarks.md", "bench-quant"),
+        ("benchmarks.md", "bench-seed"),
+    ],
+)
 def test_marker_blocks_live_in_the_docs(page, marker):
     text = (DOCS / page).read_text()
     start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"

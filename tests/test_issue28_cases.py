@@ -19,6 +19,7 @@ tiny model of tests/test_user_actions.py. Classes, in the issue's order:
   12 mx_matmul with K >= 2^33: refused at once (or works), never minutes then OOM
   13 no `_zrw_*` attribute on torch objects (structural: greps the package)
 """
+
 import copy
 import gc
 import os
@@ -52,8 +53,9 @@ def _clean_cache():
 
 def _bits(t):
     t = t.detach()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        t.element_size()])
+    return t.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def assert_bits_equal(a, b, what=""):
@@ -89,13 +91,15 @@ def train_step(model, opts, seed, micro=1):
 
 # --- 1. A weight in two optimizers ------------------------------------------------------------
 
+
 def _overlapping_run(release):
     model = tiny(release)
     ps = dict(model.named_parameters())
     first = zrw.optim.AdamW([ps["up.weight"], ps["down.weight"], ps["norm.weight"]], lr=1e-2)
     try:
-        second = zrw.optim.AdamW([ps["down.weight"], ps["head.weight"], ps["up.weight"],
-                                  ps["up.bias"]], lr=5e-3)
+        second = zrw.optim.AdamW(
+            [ps["down.weight"], ps["head.weight"], ps["up.weight"], ps["up.bias"]], lr=5e-3
+        )
     except ValueError as e:
         return "refused", str(e)
     losses = []
@@ -136,12 +140,15 @@ def _shared_trunk_run(release):
             o.step()
             o.zero_grad()
             losses.append(loss.detach())
-    return torch.stack(losses), {**{f"a.{k}": v for k, v in snapshot(a).items()},
-                                 **{f"b.{k}": v for k, v in snapshot(b).items()}}
+    return torch.stack(losses), {
+        **{f"a.{k}": v for k, v in snapshot(a).items()},
+        **{f"b.{k}": v for k, v in snapshot(b).items()},
+    }
 
 
-@pytest.mark.parametrize("run", [_overlapping_run, _shared_trunk_run],
-                         ids=["overlapping_sets", "shared_trunk"])
+@pytest.mark.parametrize(
+    "run", [_overlapping_run, _shared_trunk_run], ids=["overlapping_sets", "shared_trunk"]
+)
 def test_a_weight_in_two_optimizers_trains_as_release_off_or_is_refused(run):
     """Each optimizer's step sees the other's update (release on == off over 4 steps), or the
     second optimizer's construction raises a ValueError naming the shared parameter, in both
@@ -159,10 +166,12 @@ def test_a_weight_in_two_optimizers_trains_as_release_off_or_is_refused(run):
 
 # --- 2. Freeze / unfreeze with release_frozen=True --------------------------------------------
 
+
 def _freeze_run(release, keep_released, where):
     model = tiny(release, release_frozen=True)
-    opt = attach(MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2,
-                               keep_released=keep_released))
+    opt = attach(
+        MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2, keep_released=keep_released)
+    )
     w = model.up.weight
     losses = []
     for s in range(5):
@@ -197,6 +206,7 @@ def test_freeze_then_unfreeze_with_release_frozen_trains_as_release_off(keep_rel
 
 # --- 3. No optimizer at all -------------------------------------------------------------------
 
+
 def _fresh_forward(model, ids):
     """The forward of a freshly converted copy holding model's current values."""
     torch.manual_seed(123)
@@ -219,7 +229,7 @@ def test_without_an_optimizer_every_forward_sees_the_current_weights(release, wr
             p.grad = None
             if n not in CONVERTED:
                 continue
-            delta = torch.full_like(p.detach(), 2.0 ** -6)
+            delta = torch.full_like(p.detach(), 2.0**-6)
             if write == "data_add":
                 p.data.add_(delta)
             elif write == "data_assign":
@@ -230,6 +240,7 @@ def test_without_an_optimizer_every_forward_sees_the_current_weights(release, wr
 
 
 # --- 4. Resume order --------------------------------------------------------------------------
+
 
 def _resume_runs(release, order):
     model = tiny(release)
@@ -268,6 +279,7 @@ def test_resume_in_either_order_equals_the_uninterrupted_run(release, order):
 
 # --- 5. state_dict(keep_vars=True) ------------------------------------------------------------
 
+
 def _keep_vars_run(release, load_back):
     model = tiny(release)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
@@ -284,8 +296,7 @@ def _keep_vars_run(release, load_back):
 
 
 @pytest.mark.parametrize("release", [True, False])
-def test_state_dict_keep_vars_gives_live_parameters_and_loading_it_back_changes_nothing(
-        release):
+def test_state_dict_keep_vars_gives_live_parameters_and_loading_it_back_changes_nothing(release):
     plain = _keep_vars_run(release, load_back=False)
     cache.cache_clear()
     loaded = _keep_vars_run(release, load_back=True)
@@ -306,6 +317,7 @@ def test_a_held_keep_vars_dict_does_not_go_stale():
 
 
 # --- 6. main_grad -----------------------------------------------------------------------------
+
 
 def _discard_run(release, discard):
     model = tiny(release, main_grad=True)
@@ -339,8 +351,10 @@ def _clipped_run(release, main_grad, fault):
         loss = loss_of(model, s) * 50  # a gradient norm well above 0.5: the step clips
         loss.backward()
         if fault and s == 1:
+
             def boom(*_):
                 raise RuntimeError("injected")
+
             h = opt.inner.register_step_pre_hook(boom)
             with pytest.raises(RuntimeError, match="injected"):
                 opt.step()
@@ -364,6 +378,7 @@ def test_a_failed_clipped_step_retried_gives_the_undisturbed_step(release, main_
 
 # --- 7. torch's optimizer API -----------------------------------------------------------------
 
+
 def _hook_log(opt):
     log = []
     opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre", o)))
@@ -373,6 +388,7 @@ def _hook_log(opt):
         sd = dict(sd)
         sd["added_by_hook"] = 1
         return sd
+
     opt.register_state_dict_post_hook(sd_post)
 
     def load_pre(o, sd):
@@ -380,6 +396,7 @@ def _hook_log(opt):
         sd = dict(sd)
         sd.pop("added_by_hook", None)
         return sd
+
     opt.register_load_state_dict_pre_hook(load_pre)
     opt.register_load_state_dict_post_hook(lambda o: log.append(("load_post", o)))
     return log
@@ -403,8 +420,9 @@ def test_optimizer_state_dict_hooks_run(make):
     assert isinstance(log[1][2], dict) and "added_by_hook" not in log[1][2]
     assert sd.get("added_by_hook") == 1, "the post hook's returned dict is the state dict"
     opt.load_state_dict(sd)
-    assert [e[0] for e in log] == ["sd_pre", "sd_post", "load_pre", "load_post"], \
-        [e[0] for e in log]
+    assert [e[0] for e in log] == ["sd_pre", "sd_post", "load_pre", "load_post"], [
+        e[0] for e in log
+    ]
     assert log[2][1] is opt and log[2][2].keys() == sd.keys() and log[3][1] is opt
 
 
@@ -438,8 +456,10 @@ def test_deepcopy_of_model_and_optimizer_steps_like_the_original(release):
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
     train_step(model, (opt,), 0)
     twin, twin_opt = copy.deepcopy((model, opt))
-    assert all(p is q for p, q in zip(twin.parameters(),
-                                      (p for g in twin_opt.param_groups for p in g["params"])))
+    assert all(
+        p is q
+        for p, q in zip(twin.parameters(), (p for g in twin_opt.param_groups for p in g["params"]))
+    )
     for s in range(1, 3):
         a = train_step(model, (opt,), s)
         b = train_step(twin, (twin_opt,), s)
@@ -449,6 +469,7 @@ def test_deepcopy_of_model_and_optimizer_steps_like_the_original(release):
 
 # --- 8. Frozen bases released for good --------------------------------------------------------
 
+
 def _frozen_base():
     model = tiny(True, release_frozen=True)
     for n in ("up", "down"):
@@ -457,13 +478,13 @@ def _frozen_base():
     train_step(model, (opt,), 0)
     loss_of(model, 1).backward()  # a training forward: the frozen weights are released
     for n in ("up", "down"):
-        assert cache.cache_state(getattr(model, n).weight) is \
-            cache.CacheState.RELEASED_FOR_GOOD
+        assert cache.cache_state(getattr(model, n).weight) is cache.CacheState.RELEASED_FOR_GOOD
     return model, opt
 
 
 def test_checkpoint_saves_follow_state_dict_for_frozen_weights_released_for_good(tmp_path):
     from safetensors.torch import load_file
+
     model, _ = _frozen_base()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -488,13 +509,16 @@ def test_checkpoint_saves_raise_under_frozen_values_raise_as_state_dict_does(tmp
 
 # --- 9. Processes -----------------------------------------------------------------------------
 
+
 def _spawned(rank, model, expected_path, started_path):
     Path(started_path).touch()
     expected = torch.load(expected_path)
     got = model.state_dict()
     for k, v in expected.items():
-        if not torch.equal(got[k].view(torch.int16) if v.dtype == BF16 else got[k],
-                           v.view(torch.int16) if v.dtype == BF16 else v):
+        if not torch.equal(
+            got[k].view(torch.int16) if v.dtype == BF16 else got[k],
+            v.view(torch.int16) if v.dtype == BF16 else v,
+        ):
             raise AssertionError(f"spawned child: {k} differs")
 
 
@@ -507,8 +531,7 @@ def test_spawn_with_a_converted_model_works_or_is_refused_by_name(release, tmp_p
     expected, started = tmp_path / "expected.pt", tmp_path / "started"
     torch.save(snapshot(model), expected)
     try:
-        torch.multiprocessing.spawn(_spawned, args=(model, str(expected), str(started)),
-                                    nprocs=1)
+        torch.multiprocessing.spawn(_spawned, args=(model, str(expected), str(started)), nprocs=1)
     except RuntimeError as e:
         if not release or "zrw" not in str(e) or started.exists():
             raise
@@ -517,6 +540,7 @@ def test_spawn_with_a_converted_model_works_or_is_refused_by_name(release, tmp_p
 
 
 # --- 10. A meta Parameter ---------------------------------------------------------------------
+
 
 def test_quant_and_release_refuses_a_meta_parameter_and_batch_restores_still_work():
     w = nn.Parameter(torch.empty(64, 64, device="meta"))
@@ -534,6 +558,7 @@ def test_quant_and_release_refuses_a_meta_parameter_and_batch_restores_still_wor
 
 # --- 11. torch.compile(fullgraph=True) --------------------------------------------------------
 
+
 def test_compile_fullgraph_error_names_zrw():
     model = tiny(True)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
@@ -544,10 +569,15 @@ def test_compile_fullgraph_error_names_zrw():
     assert "non-Tensor" not in msg and "cache_stats" not in head, head
     # "zrw" in the explanation, or the function dynamo refused is one of zrw's
     refused = re.findall(r"<function (\w+) at", head)
-    zrw_functions = {n for m in list(sys.modules.values())
-                     if getattr(m, "__name__", "").startswith("zrw") for n in vars(m)
-                     if callable(vars(m)[n]) and getattr(vars(m)[n], "__module__", "") and
-                     str(getattr(vars(m)[n], "__module__", "")).startswith("zrw")}
+    zrw_functions = {
+        n
+        for m in list(sys.modules.values())
+        if getattr(m, "__name__", "").startswith("zrw")
+        for n in vars(m)
+        if callable(vars(m)[n])
+        and getattr(vars(m)[n], "__module__", "")
+        and str(getattr(vars(m)[n], "__module__", "")).startswith("zrw")
+    }
     assert "zrw" in head or set(refused) & zrw_functions, head
 
 
@@ -572,10 +602,13 @@ _LONG_K = textwrap.dedent("""
 
 
 def test_mx_matmul_with_k_of_2_to_the_33_is_refused_at_once_or_works():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _LONG_K], capture_output=True, text=True,
-                       timeout=300, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _LONG_K], capture_output=True, text=True, timeout=300, env=env
+    )
     line = (r.stdout.strip().splitlines() or [""])[-1]
     assert r.returncode == 0, r.stderr[-2000:]
     if line.startswith("OK"):
@@ -589,6 +622,7 @@ def test_mx_matmul_with_k_of_2_to_the_33_is_refused_at_once_or_works():
 
 
 # --- 13. No `_zrw_*` attribute on torch objects -----------------------------------------------
+
 
 def test_no_zrw_attribute_is_set_on_torch_objects():
     hits = []
@@ -614,12 +648,18 @@ def test_unfreezing_a_weight_released_for_good_without_a_master_is_refused_by_na
     opt.step()
     assert cache.cache_state(base) is cache.CacheState.RELEASED_FOR_GOOD
     base.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"weight '0\.weight' was released for good while "
-                                           r"frozen .*no FP32 master"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"weight '0\.weight' was released for good while "
+        r"frozen .*no FP32 master",
+    ):
         model(x)
     assert cache.cache_state(base) is cache.CacheState.RELEASED_FOR_GOOD
-    with pytest.raises(RuntimeError, match=r"MasterWeights: params\[0\] \('0\.weight'.*is "
-                                           r"released and has no FP32 master"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"MasterWeights: params\[0\] \('0\.weight'.*is "
+        r"released and has no FP32 master",
+    ):
         zrw.optim.AdamW([base], lr=1e-2)
     cache.restore_frozen(model)  # the way out the error names: lossy, then trainable
     model(x).float().sum().backward()

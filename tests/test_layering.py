@@ -4,6 +4,7 @@ no zrw module is imported inside a function or class body.
 LEVELS is the module map (docs/design.md §1). A module missing from it fails the test: place
 it when you add it. Read from the sources with `ast`, so nothing is imported to check it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,23 +21,43 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "zrw"
 LEVELS: Dict[str, int] = {
     "zrw._C": 0,
     "zrw.ops": 1,
-    "zrw._fake": 2, "zrw._autograd": 2, "zrw.reference": 2, "zrw._released_queries": 2,
-    "zrw.memory": 2, "zrw.backends": 2,
-    "zrw.config": 3, "zrw.planes": 3, "zrw._dtensor": 3, "zrw.record": 3,
+    "zrw._fake": 2,
+    "zrw._autograd": 2,
+    "zrw.reference": 2,
+    "zrw._released_queries": 2,
+    "zrw.memory": 2,
+    "zrw.backends": 2,
+    "zrw.config": 3,
+    "zrw.planes": 3,
+    "zrw._dtensor": 3,
+    "zrw.record": 3,
     "zrw.cache": 4,
-    "zrw.weights": 5, "zrw.state_dict": 5,
-    "zrw.nn.functional": 6, "zrw.optim": 6, "zrw.fsdp": 6,
+    "zrw.weights": 5,
+    "zrw.state_dict": 5,
+    "zrw.nn.functional": 6,
+    "zrw.optim": 6,
+    "zrw.fsdp": 6,
     "zrw.nn.linear": 7,
     "zrw.nn.grouped": 8,
     "zrw.nn.convert": 9,
     "zrw.nn": 10,
-    "zrw.parallel": 11, "zrw.checkpoint": 11, "zrw.telemetry": 11, "zrw.rfc": 11,
+    "zrw.parallel": 11,
+    "zrw.checkpoint": 11,
+    "zrw.telemetry": 11,
+    "zrw.rfc": 11,
     "zrw": 12,
-    "zrw.demo": 13, "zrw.testing": 13,
+    "zrw.demo": 13,
+    "zrw.testing": 13,
     "zrw.bench._timing": 14,
-    "zrw.bench": 15, "zrw.bench.cache": 15, "zrw.bench.fsdp": 15, "zrw.bench.hf": 15,
-    "zrw.bench.accuracy": 15, "zrw.bench.linear": 15, "zrw.bench.quant": 15,
-    "zrw.bench.seed_2d": 15, "zrw.bench.step": 15,
+    "zrw.bench": 15,
+    "zrw.bench.cache": 15,
+    "zrw.bench.fsdp": 15,
+    "zrw.bench.hf": 15,
+    "zrw.bench.accuracy": 15,
+    "zrw.bench.linear": 15,
+    "zrw.bench.quant": 15,
+    "zrw.bench.seed_2d": 15,
+    "zrw.bench.step": 15,
     "zrw.bench.seed": 16,
     "zrw.bench.__main__": 17,
 }
@@ -61,7 +82,7 @@ def _resolve(mod: str, is_package: bool, node: ast.AST) -> List[str]:
     assert isinstance(node, ast.ImportFrom)
     if node.level:
         base = mod.split(".") if is_package else mod.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module or ""
@@ -81,8 +102,13 @@ def _enclosing_scope(tree: ast.AST) -> Dict[ast.AST, Optional[ast.AST]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 scope[child] = owner
-            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                ast.ClassDef, ast.Lambda)) else owner
+            inner = (
+                child
+                if isinstance(
+                    child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+                )
+                else owner
+            )
             visit(child, inner)
 
     visit(tree, None)
@@ -100,14 +126,18 @@ def violations(mod: str, source: str, is_package: bool) -> List[str]:
         for target in _resolve(mod, is_package, node):
             where = f"{mod}:{node.lineno}"
             if owner is not None:
-                found.append(f"{where}: imports {target} inside "
-                             f"{getattr(owner, 'name', 'a lambda')}() (import it at the top)")
+                found.append(
+                    f"{where}: imports {target} inside "
+                    f"{getattr(owner, 'name', 'a lambda')}() (import it at the top)"
+                )
                 continue
             if target not in LEVELS:
                 found.append(f"{where}: imports {target}, which is not in the module map")
             elif LEVELS[target] >= level:
-                found.append(f"{where}: imports {target} (level {LEVELS[target]}) from level "
-                             f"{level}: imports must go to lower levels only")
+                found.append(
+                    f"{where}: imports {target} (level {LEVELS[target]}) from level "
+                    f"{level}: imports must go to lower levels only"
+                )
     return found
 
 
@@ -129,13 +159,16 @@ def test_every_module_is_on_the_map():
     assert not (set(LEVELS) - on_disk - compiled), set(LEVELS) - on_disk - compiled
 
 
-@pytest.mark.parametrize("source, why", [
-    ("from .nn import linear\n", "upward"),
-    ("from . import weights\n", "upward"),
-    ("from .state_dict import materialize\n", "same level"),
-    ("def f():\n    from . import ops\n", "function-local"),
-    ("import zrw\n", "the package root from below it"),
-])
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        ("from .nn import linear\n", "upward"),
+        ("from . import weights\n", "upward"),
+        ("from .state_dict import materialize\n", "same level"),
+        ("def f():\n    from . import ops\n", "function-local"),
+        ("import zrw\n", "the package root from below it"),
+    ],
+)
 def test_the_check_fails_on_a_bad_import(source, why):
     """The check itself: an upward, same-level or function-local import added to zrw.weights
     is reported, naming the module and the line."""
@@ -165,13 +198,13 @@ def test_error_labels_name_the_module_that_defines_the_function():
     for path in sorted(PACKAGE.rglob("*.py")):
         mod = module_name(path, PACKAGE)
         tree = ast.parse(path.read_text())
-        defs = {n.name for n in ast.walk(tree)
-                if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         for line, label_mod, fn in _error_labels(tree):
             if fn not in defs or label_mod == mod:
                 continue
             if label_mod == "zrw" and fn in root_names:
                 continue
-            wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {label_mod}.{fn} "
-                         f"(defined in {mod})")
+            wrong.append(
+                f"{path.relative_to(PACKAGE.parent)}:{line}: {label_mod}.{fn} (defined in {mod})"
+            )
     assert not wrong, "error labels naming another module:\n" + "\n".join(wrong)

@@ -5,6 +5,7 @@ The reference for every comparison is the plain torch optimizer stepping FP32 co
 parameters with the same gradients and the same schedule: MasterWeights' masters must equal its
 parameters bit for bit, step for step, and the BF16 parameters must be bf16 of them.
 """
+
 import copy
 
 import pytest
@@ -29,7 +30,7 @@ def grads(step):
 
 
 SCHEDULERS = {
-    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s),
+    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda s: 0.9**s),
     "OneCycleLR": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8),
     "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-4),
 }
@@ -87,9 +88,12 @@ def test_manual_lr_change_reaches_the_inner_optimizer():
 
 def test_param_groups_carry_the_inner_hyperparameters():
     ps = params(2)
-    opt = MasterWeights(torch.optim.AdamW, [{"params": [ps[0]]},
-                                            {"params": [ps[1]], "lr": 5e-3}], lr=1e-2,
-                        betas=(0.8, 0.9))
+    opt = MasterWeights(
+        torch.optim.AdamW,
+        [{"params": [ps[0]]}, {"params": [ps[1]], "lr": 5e-3}],
+        lr=1e-2,
+        betas=(0.8, 0.9),
+    )
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[1]["lr"] == 5e-3
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
     assert opt.defaults["betas"] == (0.8, 0.9) and "weight_decay" in opt.param_groups[0]
@@ -137,6 +141,7 @@ def test_step_with_closure_on_an_attached_optimizer():
     opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-2))
     opt_twin = attach(MasterWeights(torch.optim.AdamW, twin, lr=1e-2))
     for _ in range(3):
+
         def closure():
             opt.zero_grad()
             loss = loss_of(ws)
@@ -172,6 +177,7 @@ def test_lbfgs_inside_master_weights_matches_plain_lbfgs(attached):
             loss = (x @ p.t() - y).square().mean()
             loss.backward()
             return loss
+
         return closure
 
     for _ in range(3):
@@ -208,8 +214,11 @@ def test_failing_load_state_dict_changes_nothing():
     fresh["masters"][0][0].add_(1.0)
     fresh["inner"]["param_groups"][0]["lr"] = 123.0
     fresh["inner"]["state"] = {0: {"step": torch.tensor(1.0)}}  # Adam state missing its moments
-    for bad, match in [(bad_masters, "shape"), (bad_inner, "per group"),
-                       ({"masters": []}, "expected a dict")]:
+    for bad, match in [
+        (bad_masters, "shape"),
+        (bad_inner, "per group"),
+        ({"masters": []}, "expected a dict"),
+    ]:
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(bad)
         unchanged()
@@ -226,7 +235,7 @@ def test_failing_load_state_dict_changes_nothing():
 def test_state_dict_round_trip_keeps_scheduled_hyperparameters():
     ps = params(5)
     opt = MasterWeights(torch.optim.AdamW, ps, lr=1e-2)
-    sched = lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     for s in range(3):
         for p, g in zip(ps, grads(s)):
             p.grad = g
@@ -236,7 +245,7 @@ def test_state_dict_round_trip_keeps_scheduled_hyperparameters():
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt2 = MasterWeights(torch.optim.AdamW, ps2, lr=1e-2)
     opt2.load_state_dict(sd)
-    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 3
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5**3
     for m, m2 in zip(opt.masters[0], opt2.masters[0]):
         assert torch.equal(m, m2)
 
@@ -278,11 +287,16 @@ def test_the_digest_is_the_same_in_every_isa_build():
         "g = torch.Generator().manual_seed(1)\n"
         "t = torch.randint(0, 256, (3 * 2**19 + 5,), dtype=torch.uint8, generator=g)\n"
         "print(json.dumps([zrw._C.cpu_isa()] + [cache.weight_digest(t[:n]) for n in "
-        "(0, 1, 7, 8, 9, 1001, 2**18 + 3, t.numel())]))\n")
+        "(0, 1, 7, 8, 9, 1001, 2**18 + 3, t.numel())]))\n"
+    )
     seen = {}
     for isa in ("avx512", "avx2", "base"):
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=dict(os.environ, ZRW_CPU_ISA=isa))
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, ZRW_CPU_ISA=isa),
+        )
         if r.returncode != 0:
             assert "ZRW_CPU_ISA" in r.stderr, r.stderr  # a build this CPU cannot run
             continue

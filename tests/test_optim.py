@@ -26,12 +26,15 @@ class MLP(torch.nn.Module):
     def __init__(self, dim, layers, skip):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            torch.nn.Linear(dim, dim, bias=False, dtype=BF16) for _ in range(layers))
+            torch.nn.Linear(dim, dim, bias=False, dtype=BF16) for _ in range(layers)
+        )
         self.skip = skip
 
     def forward(self, x, recipe, step):
-        qs = [cache.quant_and_release(l.weight, recipe, name=f"layers.{i}.weight")
-              for i, l in enumerate(self.layers)]
+        qs = [
+            cache.quant_and_release(l.weight, recipe, name=f"layers.{i}.weight")
+            for i, l in enumerate(self.layers)
+        ]
         for i, (l, q) in enumerate(zip(self.layers, qs)):
             if i == self.skip and step % 2 == 1:
                 continue
@@ -59,20 +62,31 @@ def train(recipe, release, keep_released=True, steps=STEPS):
     torch.manual_seed(0)
     model = MLP(DIM, LAYERS, SKIP)
     ws = [l.weight for l in model.layers]
-    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2, weight_decay=0.01,
-                        keep_released=keep_released)
+    opt = MasterWeights(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.01,
+        keep_released=keep_released,
+    )
     seen = []
 
     def record(o, args, kwargs):  # runs before attach's pre-hook: weights still released
-        seen.append(dict(peak=zrw.memory.peak() - base, current=zrw.memory.current() - base,
-                         stats=cache.cache_stats(),
-                         released=[cache.is_released(w) for w in ws]))
+        seen.append(
+            dict(
+                peak=zrw.memory.peak() - base,
+                current=zrw.memory.current() - base,
+                stats=cache.cache_stats(),
+                released=[cache.is_released(w) for w in ws],
+            )
+        )
 
     opt.register_step_pre_hook(record)
     attach(opt)
     g = torch.Generator().manual_seed(1)
-    data = [[torch.randn(BATCH, DIM, generator=g).to(BF16) for _ in range(MICRO)]
-            for _ in range(steps)]
+    data = [
+        [torch.randn(BATCH, DIM, generator=g).to(BF16) for _ in range(MICRO)] for _ in range(steps)
+    ]
     losses = []
     for step in range(steps):
         zrw.memory.reset_peak()  # the window: first forward .. optimizer pre-hook
@@ -92,12 +106,19 @@ def train(recipe, release, keep_released=True, steps=STEPS):
         opt.zero_grad()
         # The seed's boundary restores every weight; the BF16-free step keeps them released.
         assert [cache.is_released(w) for w in ws] == [release and keep_released] * LAYERS
-    return dict(losses=losses, weights=[value(w) for w in ws], seen=seen,
-                bf16_bytes=[w.numel() * w.element_size() for w in ws])
+    return dict(
+        losses=losses,
+        weights=[value(w) for w in ws],
+        seen=seen,
+        bf16_bytes=[w.numel() * w.element_size() for w in ws],
+    )
 
 
-@pytest.fixture(scope="module", params=[(r, keep) for r in cache.RECIPES for keep in (True, False)],
-                ids=lambda p: f"{p[0]}-{'bf16_free' if p[1] else 'restore'}")
+@pytest.fixture(
+    scope="module",
+    params=[(r, keep) for r in cache.RECIPES for keep in (True, False)],
+    ids=lambda p: f"{p[0]}-{'bf16_free' if p[1] else 'restore'}",
+)
 def runs(request):
     """The same training run with release on and off (module-scoped: run once per recipe and
     boundary mode)."""
@@ -153,7 +174,8 @@ def test_peak_drops_by_released_bf16_bytes(runs):
         saved = s_off["peak"] - s_on["peak"]
         assert abs(saved - total) <= 0.02 * total, (
             f"step {step}: peak {s_off['peak']} (release off) - {s_on['peak']} (on) = {saved}, "
-            f"expected the released BF16 bytes {total} within 2%")
+            f"expected the released BF16 bytes {total} within 2%"
+        )
     # The weights dominate the window (otherwise 2% would say little): BF16 weights are a
     # sizable share of the peak.
     assert total > 0.15 * off["seen"][0]["peak"]
@@ -225,6 +247,7 @@ def test_master_weights_restores_at_its_write_back_plain_optimizer_in_the_pre_ho
 # ------------------------------------------------------------------------------------------------
 # attach
 
+
 @pytest.mark.parametrize("fill", [None, "empty", "zeros"])
 def test_attach_refuses_plain_optimizer_without_safe_fill(fill):
     w = param(32, 32)
@@ -285,8 +308,11 @@ def test_detach_removes_boundary():
     detach(plain)
     cache.quant_and_release(v, name="v")
     v.grad = torch.ones_like(v)
-    with pytest.raises(RuntimeError, match=r"would update 1 weight\(s\) whose BF16 storage is "
-                       r"released: 'v'\. Nothing was stepped"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"would update 1 weight\(s\) whose BF16 storage is "
+        r"released: 'v'\. Nothing was stepped",
+    ):
         plain.step()
     assert cache.is_released(v)
     cache.restore(v, "zeros")
@@ -294,6 +320,7 @@ def test_detach_removes_boundary():
 
 # ------------------------------------------------------------------------------------------------
 # MasterWeights
+
 
 def test_master_weights_writes_params_without_grad_after_empty_restore():
     a, b = param(64, 64, seed=4), param(64, 64, seed=5)
@@ -371,8 +398,9 @@ def _step(opt, ws, seed):
 
 def test_master_weights_state_dict_round_trip():
     ws = [param(64, 32, seed=9), param(16, 64, seed=10)]
-    opt = MasterWeights(torch.optim.AdamW, [{"params": [ws[0]]},
-                                            {"params": [ws[1]], "lr": 5e-3}], lr=1e-2)
+    opt = MasterWeights(
+        torch.optim.AdamW, [{"params": [ws[0]]}, {"params": [ws[1]], "lr": 5e-3}], lr=1e-2
+    )
     for s in range(2):
         _step(opt, ws, s)
     buf = io.BytesIO()
@@ -381,8 +409,9 @@ def test_master_weights_state_dict_round_trip():
     saved = torch.load(buf)
 
     ws2 = [torch.nn.Parameter(w.detach().clone()) for w in ws]
-    opt2 = MasterWeights(torch.optim.AdamW, [{"params": [ws2[0]]},
-                                             {"params": [ws2[1]], "lr": 5e-3}], lr=1e-2)
+    opt2 = MasterWeights(
+        torch.optim.AdamW, [{"params": [ws2[0]]}, {"params": [ws2[1]], "lr": 5e-3}], lr=1e-2
+    )
     with torch.no_grad():
         for m in opt2.masters[0] + opt2.masters[1]:
             m.zero_()  # must come back from the checkpoint

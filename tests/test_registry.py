@@ -17,8 +17,10 @@ from zrw import cache, ops, reference
 # (the native weight cache: lookups, release/restore, step bookkeeping): their behaviour is a
 # sequence of effects, tested in their own files, not a function of their arguments. Each entry
 # needs a reason. Everything else must have a reference.
-_CACHE = ("stateful: the native weight cache (a process-wide table, storage release and "
-          "restore); its behaviour is a sequence of effects, tested in tests/test_cache.py")
+_CACHE = (
+    "stateful: the native weight cache (a process-wide table, storage release and "
+    "restore); its behaviour is a sequence of effects, tested in tests/test_cache.py"
+)
 STATEFUL_NO_REFERENCE: dict = {
     "quant_and_release": _CACHE,
     "restore": _CACHE,

@@ -9,6 +9,7 @@
    register_master) stay correct while other threads build and tear down MasterWeights
    (restore_all raised "dictionary changed size during iteration").
 """
+
 import gc
 import json
 import os
@@ -190,8 +191,12 @@ QUERIES = [
 
 
 def _run_child(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +204,18 @@ def query_results():
     r = _run_child(_SETUP + _RUN, json.dumps([q for q, _ in QUERIES]))
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS")][-1]
-    return json.loads(line[len("RESULTS"):])
+    return json.loads(line[len("RESULTS") :])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the queries run in forked children")
 @pytest.mark.parametrize("query,expect", QUERIES, ids=[q for q, _ in QUERIES])
-def test_a_query_on_a_released_weight_answers_or_raises_the_named_error(query_results, query,
-                                                                        expect):
+def test_a_query_on_a_released_weight_answers_or_raises_the_named_error(
+    query_results, query, expect
+):
     out = query_results[query]
     assert out["status"] == 0 and "ok" in out, (
-        f"{query} crashed the process (wait status {out['status']}): it must answer or raise")
+        f"{query} crashed the process (wait status {out['status']}): it must answer or raise"
+    )
     kind = expect[0]
     if kind == "value":
         assert out["ok"] and out["value"] == expect[1], out
@@ -226,7 +233,9 @@ def test_a_query_on_a_released_weight_answers_or_raises_the_named_error(query_re
 def test_is_shared_keeps_the_poison_and_answers_torch_everywhere_else():
     """is_shared neither reads nor clears the poison; the weight stays released and restores
     exactly; on any storage zrw did not release, is_shared is torch's own answer."""
-    r = _run_child(_SETUP + """
+    r = _run_child(
+        _SETUP
+        + """
         assert w.is_shared() is False and cache.cache_state(w) == "released"
         for read in (lambda: w.sum(), lambda: w.untyped_storage().data_ptr(),
                      lambda: w.share_memory_()):
@@ -249,13 +258,16 @@ def test_is_shared_keeps_the_poison_and_answers_torch_everywhere_else():
         assert torch.empty(8, device="meta").is_shared() is False
         assert torch.UntypedStorage(0).is_shared() is False
         print("PASS")
-    """.replace("\n        ", "\n"))
+    """.replace("\n        ", "\n")
+    )
     assert r.returncode == 0 and "PASS" in r.stdout, (
-        f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}")
+        f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    )
 
 
 def test_the_patch_is_one_method_of_untyped_storage():
     from zrw import _released_queries
+
     assert torch.UntypedStorage.__dict__["is_shared"] is _released_queries._is_shared
     assert torch.UntypedStorage.is_shared.__name__ == "is_shared"
     _released_queries.install()  # idempotent
@@ -264,6 +276,7 @@ def test_the_patch_is_one_method_of_untyped_storage():
 
 # ------------------------------------------------------------------------------------------------
 # Threads: the master registry against concurrent construction and teardown of optimizers.
+
 
 class _Net(torch.nn.Module):
     def __init__(self):
@@ -306,14 +319,14 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
             except BaseException as e:  # noqa: B036
                 with lock:
                     errors.append(f"{fn.__name__}: {type(e).__name__}: {e}")
+
         return run
 
     def builder(seed):
         g = torch.Generator().manual_seed(seed)
         alive = []
         while time.monotonic() < deadline:
-            ps = [torch.nn.Parameter(torch.randn(32, 32, generator=g).to(BF16))
-                  for _ in range(8)]
+            ps = [torch.nn.Parameter(torch.randn(32, 32, generator=g).to(BF16)) for _ in range(8)]
             o = MasterWeights(torch.optim.SGD, ps, lr=0.1)
             cache.quant_and_release(ps[0], name=f"t{seed}")  # released, with a master
             alive.append((o, ps))
@@ -350,9 +363,11 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
     sys.setswitchinterval(1e-6)  # switch threads often: the race of the issue shows at once
     try:
         threads = [threading.Thread(target=guarded(builder), args=(i,)) for i in range(2)]
-        threads += [threading.Thread(target=guarded(restorer)),
-                    threading.Thread(target=guarded(restore_all_loop)),
-                    threading.Thread(target=guarded(reader))]
+        threads += [
+            threading.Thread(target=guarded(restorer)),
+            threading.Thread(target=guarded(restore_all_loop)),
+            threading.Thread(target=guarded(reader)),
+        ]
         for t in threads:
             t.start()
         for t in threads:

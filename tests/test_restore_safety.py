@@ -5,6 +5,7 @@ Crash-prone cases run in a child process, so that a regression (a segfault, a he
 abort) fails one test instead of killing the suite. Out-of-memory is injected with
 zrw.testing.fail_allocations (the counting allocator, installed before any weight is built).
 """
+
 import subprocess
 import sys
 import textwrap
@@ -28,14 +29,16 @@ def dequant_of(q):
 
 def run_child(code: str) -> str:
     """Run `code` in a fresh interpreter; fail with its output unless it exits 0."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     return r.stdout
 
 
 # ------------------------------------------------------------------------------------------------
 # The crashes of the issue: each in a child process.
+
 
 def test_replaced_data_is_never_written_and_the_weight_stays_restorable():
     out = run_child("""
@@ -194,8 +197,9 @@ def test_assign_weights_fault_keeps_the_weight_restorable(after):
     for w in ws:
         cache.quant_and_release(w)
     with zrw.testing.fail_allocations(min_bytes=4096, after=after):
-        with pytest.raises(torch.OutOfMemoryError,
-                           match="1 weight could not be written; each is left as it was"):
+        with pytest.raises(
+            torch.OutOfMemoryError, match="1 weight could not be written; each is left as it was"
+        ):
             cache.assign_weights(ws, masters)
     released = [cache.is_released(w) for w in ws]
     assert released == [i == after for i in range(len(ws))]
@@ -238,6 +242,7 @@ def test_master_weights_write_back_runs_even_when_the_inner_step_fails(keep_rele
 # ------------------------------------------------------------------------------------------------
 # A boundary restores exactly its own optimizer's weights; no fill hands out garbage.
 
+
 def test_boundary_restores_only_the_parameters_its_optimizer_owns():
     a, b, c = param(64, 64, seed=1), param(64, 64, seed=2), param(64, 64, seed=3)
     opt_a = attach(MasterWeights(torch.optim.AdamW, [a], lr=1e-2, keep_released=False))
@@ -275,8 +280,11 @@ def test_an_unattached_optimizer_refuses_a_released_weight_before_its_state_move
     opt = torch.optim.AdamW([w], lr=1e-3)
     cache.quant_and_release(w)
     w.grad = torch.ones_like(w)
-    with pytest.raises(RuntimeError, match=r"AdamW\.step\(\) would update 1 weight\(s\) whose "
-                                           r"BF16 storage is released: 'layer\.weight'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"AdamW\.step\(\) would update 1 weight\(s\) whose "
+        r"BF16 storage is released: 'layer\.weight'",
+    ):
         opt.step()
     assert len(opt.state) == 0  # no step count, no moments: nothing advanced
     cache.restore(w, "dequant")
@@ -287,16 +295,20 @@ def test_an_unattached_optimizer_refuses_a_released_weight_before_its_state_move
 # ------------------------------------------------------------------------------------------------
 # Named errors of the cache API.
 
-@pytest.mark.parametrize("call", [
-    lambda: cache.restore(None),
-    lambda: cache.cache_state(None),
-    lambda: cache.is_released(3),
-    lambda: cache.cache_invalidate("w"),
-    lambda: cache.quant_and_release(None),
-    lambda: cache.restore_weights(torch.zeros(2, 2)),
-    lambda: cache.restore_weights([torch.zeros(2, 2), None]),
-    lambda: cache.assign_weights([torch.zeros(2, 2)], [None]),
-])
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: cache.restore(None),
+        lambda: cache.cache_state(None),
+        lambda: cache.is_released(3),
+        lambda: cache.cache_invalidate("w"),
+        lambda: cache.quant_and_release(None),
+        lambda: cache.restore_weights(torch.zeros(2, 2)),
+        lambda: cache.restore_weights([torch.zeros(2, 2), None]),
+        lambda: cache.assign_weights([torch.zeros(2, 2)], [None]),
+    ],
+)
 def test_none_and_non_tensor_arguments_get_type_errors(call):
     with pytest.raises(TypeError, match=r"zrw\.cache\.\w+: \w+(\[\d\])? must be"):
         call()
@@ -304,8 +316,11 @@ def test_none_and_non_tensor_arguments_get_type_errors(call):
 
 @pytest.mark.parametrize("shape", [(), (64,), (2, 2, 2, 2)])
 def test_weights_of_the_wrong_rank_are_refused_by_name(shape):
-    with pytest.raises(ValueError, match=r"zrw\.cache\.quant_and_release: w must be a 2-d .* got "
-                                         r"shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"zrw\.cache\.quant_and_release: w must be a 2-d .* got "
+        r"shape",
+    ):
         cache.quant_and_release(torch.zeros(shape, dtype=BF16))
 
 
@@ -321,11 +336,14 @@ def test_assign_weights_checks_shapes_and_lengths():
     assert torch.equal(w.detach(), torch.full((64, 64), 0.5, dtype=BF16))
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (lambda b: b.view(torch.uint8), TypeError, "must be torch.float8_e8m0fnu"),
-    (lambda b: b[:1], ValueError, r"must end in \(2, 3\)"),
-    (lambda b: b.unsqueeze(0).unsqueeze(0), ValueError, "shape"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (lambda b: b.view(torch.uint8), TypeError, "must be torch.float8_e8m0fnu"),
+        (lambda b: b[:1], ValueError, r"must end in \(2, 3\)"),
+        (lambda b: b.unsqueeze(0).unsqueeze(0), ValueError, "shape"),
+    ],
+)
 def test_expand_block_scale_refuses_wrong_shapes_and_dtypes(bad, exc, match):
     _, block = ops.mx_quantize_block(torch.randn(64, 96).to(BF16))
     with pytest.raises(exc, match=match):
@@ -338,11 +356,14 @@ def test_expand_block_scale_refuses_wrong_shapes_and_dtypes(bad, exc, match):
 
 def test_expand_block_scale_op_matches_the_reference():
     from zrw import reference as ref
+
     for shape in [(64, 96), (70, 33), (3, 40, 65)]:
         _, block = ops.mx_quantize_block(torch.randn(*shape).to(BF16))
         for dim in (-1, -2):
-            assert same_bits(ops.mx_expand_block_scale(block, shape[-2], shape[-1], dim),
-                             ref.mx_expand_block_scale(block, shape[-2], shape[-1], dim))
+            assert same_bits(
+                ops.mx_expand_block_scale(block, shape[-2], shape[-1], dim),
+                ref.mx_expand_block_scale(block, shape[-2], shape[-1], dim),
+            )
 
 
 def test_concurrent_zrw_calls_on_other_threads_keep_entries_consistent():
@@ -375,24 +396,28 @@ def test_concurrent_zrw_calls_on_other_threads_keep_entries_consistent():
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
-def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_intact(tmp_path,
-                                                                                    recipe):
+def test_saving_a_state_dict_with_released_weights_leaves_the_old_checkpoint_intact(
+    tmp_path, recipe
+):
     # state_dict() of a converted layer refuses while its weight is released, before torch.save
     # opens (and truncates) the file: the previous checkpoint stays as it was.
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=BF16),
-                                torch.nn.Linear(64, 32, dtype=BF16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64, dtype=BF16), torch.nn.Linear(64, 32, dtype=BF16)
+    )
     zrw.convert(model, recipe, skip=())
     # An optimizer with the boundary and no masters owns the weights (mid-step: no master).
-    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1),  # noqa: F841 (held)
-                           fill="dequant")
+    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1), fill="dequant")  # noqa: F841
     path = tmp_path / "ckpt.pt"
     torch.save(model.state_dict(), path)
     old = path.read_bytes()
     model(torch.randn(4, 64).to(BF16)).float().sum().backward()
     assert cache.is_released(model[0].weight)
-    with pytest.raises(RuntimeError, match=r"state_dict\(\) of '0': weight\(s\) '0\.weight' are "
-                                           r"released.*nothing was returned or written"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"state_dict\(\) of '0': weight\(s\) '0\.weight' are "
+        r"released.*nothing was returned or written",
+    ):
         torch.save(model.state_dict(), path)
     assert path.read_bytes() == old
     cache.restore_all("dequant")

@@ -1,5 +1,6 @@
 """The RFC's interface, name for name (zrw.rfc; table in docs/rfc.md): each name called as the
 RFC's own examples call it ("调用参考代码"), with values checked against zrw.reference."""
+
 import dataclasses
 import os
 import subprocess
@@ -30,9 +31,19 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def test_every_name_the_rfc_uses_is_there():
-    for name in ("ScalingGranularity", "ScalingGranularityEnum", "QuantRecipe", "recipe_register",
-                 "get_recipe", "register_mxfp8_32x32_recipe", "QuantizeConfig",
-                 "process_quant_result_fn", "PreQuantWeight", "MXLinear", "MXFP8GMM"):
+    for name in (
+        "ScalingGranularity",
+        "ScalingGranularityEnum",
+        "QuantRecipe",
+        "recipe_register",
+        "get_recipe",
+        "register_mxfp8_32x32_recipe",
+        "QuantizeConfig",
+        "process_quant_result_fn",
+        "PreQuantWeight",
+        "MXLinear",
+        "MXFP8GMM",
+    ):
         assert hasattr(zrw.rfc, name), name
     assert MXFP8GMM is zrw.nn.MXGroupedLinear and MXLinear is zrw.nn.MXLinear
     assert zrw.rfc.PreQuantWeight is PreQuantWeight
@@ -59,8 +70,9 @@ def test_get_recipe_and_recipe_register_as_in_the_rfc(monkeypatch):
 
     @recipe_register("mxfp8-32x32-e5m2")
     def register_mxfp8_32x32_e5m2_recipe():
-        return dataclasses.replace(get_recipe("mxfp8-32x32"), name="mxfp8-32x32-e5m2",
-                                   elem_dtype=E5M2)
+        return dataclasses.replace(
+            get_recipe("mxfp8-32x32"), name="mxfp8-32x32-e5m2", elem_dtype=E5M2
+        )
 
     assert get_recipe("mxfp8-32x32-e5m2").elem_dtype == E5M2
     assert QuantizeConfig(recipe_name="mxfp8-32x32-e5m2").recipe.block_32x32
@@ -73,17 +85,20 @@ def test_process_quant_result_fn_as_in_the_rfc(shape):
     # 3.5.2.3: mxfp8 -> dual-axis quantization, two weights
     quant_config = QuantizeConfig(recipe_name="mxfp8")
     weight_fwd, scale_fwd, weight_bwd, scale_bwd = process_quant_result_fn(
-        weight=model_weight, dst_type=torch.float8_e4m3fn, config=quant_config)
+        weight=model_weight, dst_type=torch.float8_e4m3fn, config=quant_config
+    )
     mode = quant_config.recipe.scale_mode
     ref = reference.mx_quantize_dual(model_weight, E4M3, mode)
     for got, want in zip((weight_fwd, scale_fwd, weight_bwd, scale_bwd), ref):
-        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
-                                                       want.view(torch.uint8))
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(torch.uint8), want.view(torch.uint8)
+        )
     assert weight_bwd.data_ptr() != weight_fwd.data_ptr()
     # mxfp8-32x32 -> block quantization: the backward weight is the forward one
     quant_config = QuantizeConfig(recipe_name="mxfp8-32x32")
     weight_fwd, scale_fwd, weight_bwd, scale_bwd = process_quant_result_fn(
-        weight=model_weight, dst_type=torch.float8_e4m3fn, config=quant_config)
+        weight=model_weight, dst_type=torch.float8_e4m3fn, config=quant_config
+    )
     data, block = reference.mx_quantize_block(model_weight, E4M3, mode)
     assert weight_bwd is weight_fwd
     assert torch.equal(weight_fwd.view(torch.uint8), data.view(torch.uint8))
@@ -103,8 +118,7 @@ def test_process_quant_result_fn_dst_type_scale_mode_and_errors():
         out = process_quant_result_fn(w, torch.float8_e5m2, cfg)
         ref = reference.mx_quantize_dual(w, E5M2, mode)
         assert out[0].dtype == E5M2
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(out, ref))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, ref))
     # "当 recipe_name 不支持时,抛出 ValueError"
     with pytest.raises(ValueError, match="recipe_name"):
         QuantizeConfig(recipe_name="mxfp8-64x64")
@@ -149,9 +163,15 @@ def test_quantize_config_applied_by_the_model_converter():
     assert not any(isinstance(p.data, PreQuantWeight) for p in model.parameters())
     # with the FSDP low-precision all-gather: the weights carry zrw's all-gather extension
     model = _model()
-    convert_model(model, QuantizeConfig(recipe_name="mxfp8",
-                                        enable_fsdp_low_precision_all_gather=True,
-                                        all_gather_both_planes=True, release=False))
+    convert_model(
+        model,
+        QuantizeConfig(
+            recipe_name="mxfp8",
+            enable_fsdp_low_precision_all_gather=True,
+            all_gather_both_planes=True,
+            release=False,
+        ),
+    )
     wrapped = [p for p in model.parameters() if isinstance(p.data, PreQuantWeight)]
     assert len(wrapped) == 2
     skip = _model()
@@ -166,9 +186,13 @@ def test_functional_acceptance_example(recipe):
     """examples/rfc_functional.py, the RFC's functional acceptance: loads the config, trains a
     Qwen3 with the RFC's names, release on and off give the same losses."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "examples", "rfc_functional.py"),
-                          recipe], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "rfc_functional.py"), recipe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "release on vs off, losses bit for bit: True" in out.stdout
     assert f"one FP8 copy: {recipe == 'mxfp8-32x32'}" in out.stdout

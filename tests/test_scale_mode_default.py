@@ -1,5 +1,6 @@
 """The built-in recipes' scale rule (issue 29: decided by the accuracy benchmark, docs/accuracy.md)
 and the other rule one argument away: get_recipe(name, scale_mode=...)."""
+
 import dataclasses
 
 import pytest
@@ -9,7 +10,7 @@ import zrw
 import zrw.rfc
 from zrw import reference as ref
 
-DEFAULT = "rceil"   # docs/accuracy.md: why
+DEFAULT = "rceil"  # docs/accuracy.md: why
 OTHER = "floor"
 E4M3 = torch.float8_e4m3fn
 
@@ -17,10 +18,15 @@ E4M3 = torch.float8_e4m3fn
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp8-32x32"])
 def test_builtin_recipes_default_to_rceil(name):
     assert zrw.get_recipe(name).scale_mode == DEFAULT
-    assert zrw.QuantRecipe(name="custom", weight_granularity=zrw.get_recipe(name)
-                           .weight_granularity, act_granularity=zrw.get_recipe(name)
-                           .act_granularity, grad_granularity=zrw.get_recipe(name)
-                           .grad_granularity).scale_mode == DEFAULT
+    assert (
+        zrw.QuantRecipe(
+            name="custom",
+            weight_granularity=zrw.get_recipe(name).weight_granularity,
+            act_granularity=zrw.get_recipe(name).act_granularity,
+            grad_granularity=zrw.get_recipe(name).grad_granularity,
+        ).scale_mode
+        == DEFAULT
+    )
     assert zrw.rfc.QuantizeConfig(recipe_name=name).recipe.scale_mode == DEFAULT
 
 
@@ -49,13 +55,17 @@ def test_converted_layers_quantize_with_the_chosen_rule(name, mode):
     recipe = zrw.get_recipe(name, scale_mode=mode)
     zrw.convert(model, recipe, release=False)
     model(torch.randn(8, 64, dtype=torch.bfloat16))
-    q = zrw.cache.quant_and_release(model[0].weight, recipe.cache_layout, False,
-                                    scale_mode=recipe.scale_mode)  # a hit: the cached copy
+    q = zrw.cache.quant_and_release(
+        model[0].weight, recipe.cache_layout, False, scale_mode=recipe.scale_mode
+    )  # a hit: the cached copy
     want_mode = mode or DEFAULT
     if recipe.block_32x32:
         want = ref.expand_block_scale(ref.mx_quantize_block(w, E4M3, want_mode)[1], w.shape, -1)
-        other = ref.expand_block_scale(ref.mx_quantize_block(w, E4M3, "floor" if want_mode ==
-                                                             "rceil" else "rceil")[1], w.shape, -1)
+        other = ref.expand_block_scale(
+            ref.mx_quantize_block(w, E4M3, "floor" if want_mode == "rceil" else "rceil")[1],
+            w.shape,
+            -1,
+        )
     else:
         want = ref.mx_quantize(w, -1, E4M3, want_mode)[1]
         other = ref.mx_quantize(w, -1, E4M3, "floor" if want_mode == "rceil" else "rceil")[1]

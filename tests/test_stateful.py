@@ -43,6 +43,7 @@ ZRW_STATEFUL_EXAMPLES=5000 (and ZRW_STATEFUL_STEPS=30) runs thousands by hand;
 ZRW_STATEFUL_RANDOM=1 draws new sequences instead of the fixed ones; ZRW_STATEFUL_SHRINK=1
 shrinks a failing sequence to a minimal one (off by default: it can take minutes).
 """
+
 import copy
 import os
 
@@ -69,8 +70,9 @@ INSIDE_NAMES = sorted(INSIDE)
 
 def _bits(t):
     t = t.detach()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        t.element_size()])
+    return t.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def _same(a, b, what):
@@ -95,11 +97,23 @@ class World:
     def __init__(self, release, cfg):
         torch.manual_seed(0)
         self.model = Tiny().to(BF16)
-        zrw.convert(self.model, cfg["recipe"], release=release, skip=("embed",),
-                    release_frozen=cfg["release_frozen"], main_grad=cfg["main_grad"])
-        self.opt = attach(MasterWeights(torch.optim.AdamW, self.model.parameters(), lr=1e-2,
-                                        keep_released=cfg["keep_released"],
-                                        max_grad_norm=cfg["max_grad_norm"]))
+        zrw.convert(
+            self.model,
+            cfg["recipe"],
+            release=release,
+            skip=("embed",),
+            release_frozen=cfg["release_frozen"],
+            main_grad=cfg["main_grad"],
+        )
+        self.opt = attach(
+            MasterWeights(
+                torch.optim.AdamW,
+                self.model.parameters(),
+                lr=1e-2,
+                keep_released=cfg["keep_released"],
+                max_grad_norm=cfg["max_grad_norm"],
+            )
+        )
         self.opts = [self.opt]
         self.ctx = {}
         self.held = None
@@ -146,8 +160,12 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                 raise  # a check of this test inside the action, not the user's exception
             except Exception as e:  # compared between the two worlds
                 after = snapshot(w.model)
-                _same_dict(before, after, f"{what} raised {type(e).__name__}: {e} "
-                                          f"(release={release}), and changed the model")
+                _same_dict(
+                    before,
+                    after,
+                    f"{what} raised {type(e).__name__}: {e} "
+                    f"(release={release}), and changed the model",
+                )
                 out[release] = ("raised", type(e), str(e)[:300])
                 if release and refusable is not None and refusable(w, e):
                     return None
@@ -164,13 +182,22 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
     # -- configuration ----------------------------------------------------------------------
 
-    @initialize(recipe=st.sampled_from(["mxfp8", "mxfp8-32x32"]),
-                release_frozen=st.booleans(), main_grad=st.booleans(),
-                keep_released=st.booleans(), max_grad_norm=st.sampled_from([None, 0.5]))
+    @initialize(
+        recipe=st.sampled_from(["mxfp8", "mxfp8-32x32"]),
+        release_frozen=st.booleans(),
+        main_grad=st.booleans(),
+        keep_released=st.booleans(),
+        max_grad_norm=st.sampled_from([None, 0.5]),
+    )
     def build(self, recipe, release_frozen, main_grad, keep_released, max_grad_norm):
         cache.cache_clear()
-        cfg = dict(recipe=recipe, release_frozen=release_frozen, main_grad=main_grad,
-                   keep_released=keep_released, max_grad_norm=max_grad_norm)
+        cfg = dict(
+            recipe=recipe,
+            release_frozen=release_frozen,
+            main_grad=main_grad,
+            keep_released=keep_released,
+            max_grad_norm=max_grad_norm,
+        )
         self.worlds = {True: World(True, cfg), False: World(False, cfg)}
 
         def first_step(w):  # the checkpoint the loads and `resume` go back to
@@ -181,6 +208,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             w.ctx["saved"] = snapshot(w.model)
             w.ctx["opt_saved"] = copy.deepcopy(w.opt.state_dict())
             return loss.detach()
+
         self.both("first step", first_step)
 
     def teardown(self):
@@ -195,6 +223,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             loss = loss_of(w.model, 100 * seed + self.micro)
             (loss / 2).backward()
             return loss.detach()
+
         self.both(f"micro-batch {seed}", fwd_bwd)
         self.micro += 1
 
@@ -203,6 +232,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def step(w):
             for o in w.opts:
                 o.step()
+
         self.both("step", step)
         self.micro = 0
 
@@ -214,6 +244,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
             def boom(*_):
                 raise RuntimeError("injected")
+
             h = w.opt.inner.register_step_pre_hook(boom)
             try:
                 w.opt.step()
@@ -224,6 +255,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             finally:
                 h.remove()
             _same_dict(grads, w.grads(), "gradients handed back by a failed step")
+
         self.both("failing step", fail)
 
     @rule(set_to_none=st.booleans())
@@ -231,6 +263,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def zero(w):
             for o in w.opts:
                 o.zero_grad(set_to_none=set_to_none)
+
         self.both(f"opt.zero_grad(set_to_none={set_to_none})", zero)
 
     @rule()
@@ -240,6 +273,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             for n, p in w.model.named_parameters():
                 g = getattr(p, "main_grad", None)
                 assert g is None or not g.any(), f"{n}.main_grad survives model.zero_grad()"
+
         self.both("model.zero_grad()", zero)
 
     # -- the user actions of test_user_actions ------------------------------------------------
@@ -251,6 +285,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             BETWEEN[name](w.model, w.opt, w.ctx)
             if name == "tie":
                 w.held = None
+
         self.both(f"between steps: {name}", act)
 
     @precondition(lambda self: self.micro > 0)
@@ -264,6 +299,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
     def freeze(self, which, trainable):
         def flip(w):
             w.weight(which).requires_grad_(trainable)
+
         self.both(f"{which}.weight.requires_grad_({trainable})", flip)
 
     @precondition(lambda self: self.micro == 0)
@@ -272,14 +308,19 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def write(w):
             p = w.weight(which)
             if how == "add_":
-                p.data.add_(2.0 ** -7)
+                p.data.add_(2.0**-7)
             else:
                 p.data = p.data.clone() * 0.75
-        self.both(f"{which}.weight .data {how}", write,
-                  refusable=lambda w, e: _named_refusal(w.weight(which), e, f"{which}.weight"))
 
-    @precondition(lambda self: self.micro == 0 and all(
-        len(w.opts) == 1 for w in self.worlds.values()))
+        self.both(
+            f"{which}.weight .data {how}",
+            write,
+            refusable=lambda w, e: _named_refusal(w.weight(which), e, f"{which}.weight"),
+        )
+
+    @precondition(
+        lambda self: self.micro == 0 and all(len(w.opts) == 1 for w in self.worlds.values())
+    )
     @rule()
     def second_optimizer(self):
         def add(w):
@@ -291,6 +332,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                 return "refused"
             w.opts.append(second)
             return "built"
+
         self.both("a second optimizer over shared parameters", add)
 
     @precondition(lambda self: self.micro == 0)
@@ -303,9 +345,11 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             else:
                 w.model.load_state_dict(w.ctx["saved"])
                 w.opt.load_state_dict(copy.deepcopy(w.ctx["opt_saved"]))
-            for i, (a, b) in enumerate(zip(_flat_masters(w.opt.state_dict()),
-                                           _flat_masters(w.ctx["opt_saved"]))):
+            for i, (a, b) in enumerate(
+                zip(_flat_masters(w.opt.state_dict()), _flat_masters(w.ctx["opt_saved"]))
+            ):
                 _same(a, b, f"master {i} after loading the checkpoint ({order})")
+
         self.both(f"resume ({order})", load)
 
     @precondition(lambda self: self.micro == 0)
@@ -314,24 +358,28 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def take(w):
             sd = w.model.state_dict(keep_vars=True)
             for n in CONVERTED:
-                assert sd[f"{n}.weight"] is w.weight(n), \
+                assert sd[f"{n}.weight"] is w.weight(n), (
                     f"state_dict(keep_vars=True)['{n}.weight'] is not the Parameter"
+                )
             if hold:
                 w.held = sd
             else:
                 before = snapshot(w.model)
                 w.model.load_state_dict(sd)
                 _same_dict(before, snapshot(w.model), "after loading a keep_vars dict back")
+
         self.both(f"state_dict(keep_vars=True) {'held' if hold else 'loaded back'}", take)
 
-    @precondition(lambda self: self.micro == 0 and all(
-        w.held is not None for w in self.worlds.values()))
+    @precondition(
+        lambda self: self.micro == 0 and all(w.held is not None for w in self.worlds.values())
+    )
     @rule()
     def load_held_keep_vars(self):
         def load(w):
             before = snapshot(w.model)
             w.model.load_state_dict(w.held)
             _same_dict(before, snapshot(w.model), "after loading a held keep_vars dict")
+
         self.both("load a held state_dict(keep_vars=True)", load)
 
     @rule()
@@ -341,6 +389,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             mine, theirs = w.opt.state_dict(), twin.state_dict()
             for i, (a, b) in enumerate(zip(_flat_masters(mine), _flat_masters(theirs))):
                 _same(a, b, f"deepcopy(opt): master {i}")
+
         self.both("copy.deepcopy(opt)", dup)
 
     @precondition(lambda self: self.micro == 0)
@@ -349,12 +398,14 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def dup(w):
             model, opts = copy.deepcopy((w.model, w.opts))
             for k, (mine, theirs) in enumerate(zip(w.opts, opts)):
-                for i, (a, b) in enumerate(zip(_flat_masters(mine.state_dict()),
-                                               _flat_masters(theirs.state_dict()))):
+                for i, (a, b) in enumerate(
+                    zip(_flat_masters(mine.state_dict()), _flat_masters(theirs.state_dict()))
+                ):
                     _same(a, b, f"deepcopy: optimizer {k}, master {i}")
             _same_dict(snapshot(w.model), snapshot(model), "deepcopy: the model copy")
             w.model, w.opts, w.opt = model, opts, opts[0]
             w.held = None
+
         self.both("(model, opts) = copy.deepcopy((model, opts))", dup)
 
     # -- invariants ---------------------------------------------------------------------------
@@ -363,8 +414,11 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
     def release_on_equals_off(self):
         if not self.worlds:
             return
-        _same_dict(snapshot(self.worlds[True].model), snapshot(self.worlds[False].model),
-                   "release on vs off: state_dict")
+        _same_dict(
+            snapshot(self.worlds[True].model),
+            snapshot(self.worlds[False].model),
+            "release on vs off: state_dict",
+        )
 
     @invariant()
     def cached_copies_are_current(self):
@@ -385,21 +439,28 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                     recipe = zrw.get_recipe(mod.recipe)
                     with torch.inference_mode():  # what a use would be served now, side-effect free
                         served = cache.quant_and_release(
-                            p, recipe.cache_layout, False, elem_dtype=recipe.elem_dtype,
-                            scale_mode=recipe.scale_mode)
+                            p,
+                            recipe.cache_layout,
+                            False,
+                            elem_dtype=recipe.elem_dtype,
+                            scale_mode=recipe.scale_mode,
+                        )
                     if recipe.cache_layout == "mxfp8":
-                        want = zrw.ops.mx_quantize_dual(value, recipe.elem_dtype,
-                                                        recipe.scale_mode)
-                        got = (served.fwd.data, served.fwd.scale, served.bwd.data,
-                               served.bwd.scale)
+                        want = zrw.ops.mx_quantize_dual(value, recipe.elem_dtype, recipe.scale_mode)
+                        got = (served.fwd.data, served.fwd.scale, served.bwd.data, served.bwd.scale)
                     else:
-                        want = zrw.ops.mx_quantize_block(value, recipe.elem_dtype,
-                                                         recipe.scale_mode)
+                        want = zrw.ops.mx_quantize_block(
+                            value, recipe.elem_dtype, recipe.scale_mode
+                        )
                         got = (served.fwd.data, served.block_scale)
                     name = cache.weight_name(p) or pname
                     for i, (a, b) in enumerate(zip(got, want)):
-                        _same(a, b, f"release={release}: cached FP8 copy of {name} ({state}) "
-                                    f"is stale (tensor {i})")
+                        _same(
+                            a,
+                            b,
+                            f"release={release}: cached FP8 copy of {name} ({state}) "
+                            f"is stale (tensor {i})",
+                        )
 
 
 ReleaseOnEqualsOff.TestCase.settings = settings(

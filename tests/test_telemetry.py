@@ -1,5 +1,6 @@
 """zrw.telemetry: per-layer SQNR, saturation and underflow of MX quantization, against a direct
 computation with zrw.reference (the plain-PyTorch spec of the ops), and on a training model."""
+
 import math
 
 import pytest
@@ -18,10 +19,10 @@ def known_tensor() -> torch.Tensor:
     rceil does not), tiny elements beside it that underflow, a zero block, ordinary values."""
     # Every block of the ramp has amax 1 times a power of two: no rule saturates it.
     x = torch.linspace(-1, 1, 64).repeat(4, 1) * torch.tensor([[1.0], [4.0], [0.25], [2.0]])
-    x[0, 3] = 480.0            # floor: e = 8 - 8 = 0, 480 > 448 -> clamped; rceil: e = 1
-    x[0, 4] = 2.0 ** -20       # far below the smallest E4M3 subnormal at either scale
-    x[0, 5] = -(2.0 ** -21)
-    x[1, 32:] = 0.0            # an all-zero block
+    x[0, 3] = 480.0  # floor: e = 8 - 8 = 0, 480 > 448 -> clamped; rceil: e = 1
+    x[0, 4] = 2.0**-20  # far below the smallest E4M3 subnormal at either scale
+    x[0, 5] = -(2.0**-21)
+    x[1, 32:] = 0.0  # an all-zero block
     x[2, 40] = 300.0
     return x.to(torch.bfloat16)
 
@@ -132,6 +133,7 @@ def hook_count(model):
 def test_telemetry_changes_nothing_and_costs_nothing_when_off():
     """Training with telemetry gives the same bits as without; after the block no hook is left
     (off, nothing of it runs)."""
+
     def train(with_telemetry):
         model = _mlp("mxfp8")
         opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
@@ -162,14 +164,21 @@ def test_telemetry_options():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    with telemetry.collect(plain, recipe="mxfp8-32x32", scale_modes=("floor", "rceil"),
-                           tensors=("weight", "activation"), layers=["2"]) as tel:
+    with telemetry.collect(
+        plain,
+        recipe="mxfp8-32x32",
+        scale_modes=("floor", "rceil"),
+        tensors=("weight", "activation"),
+        layers=["2"],
+    ) as tel:
         plain(x)
     keys = set(tel.stats())
     assert keys == {("2", t, m) for t in ("weight", "activation") for m in ("floor", "rceil")}
     floor_w = tel.stats()[("2", "weight", "floor")]
-    assert floor_w.sqnr_db == telemetry.quant_stats(plain[2].weight, -1, E4M3, "floor",
-                                                   block_32x32=True).sqnr_db
+    assert (
+        floor_w.sqnr_db
+        == telemetry.quant_stats(plain[2].weight, -1, E4M3, "floor", block_32x32=True).sqnr_db
+    )
     tel.reset()
     assert tel.stats() == {}
     with telemetry.collect(plain) as none:  # no zrw layer, no recipe: nothing to measure

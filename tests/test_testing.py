@@ -1,6 +1,7 @@
 """zrw.testing: the test instruments (fault injection, GEMM counters, all-gather byte counts) live
 there, opt-in, and no longer in the shipped modules; their argument errors name the argument,
 what was expected and what was found. zrw.fsdp keeps one documented statistic, stats()."""
+
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,9 @@ from zrw import memory, ops
 
 
 def run_child(code):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r.stdout
 
@@ -35,12 +37,18 @@ def test_import_zrw_does_not_load_it_and_the_shipped_modules_hold_none_of_it():
 
 @pytest.mark.parametrize("arg", ["min_bytes", "count", "after"])
 def test_fail_allocations_argument_errors(arg):
-    with pytest.raises(ValueError, match=rf"^zrw\.testing\.fail_allocations: {arg} must be an "
-                                         rf"int >= 0, got -1$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^zrw\.testing\.fail_allocations: {arg} must be an "
+        rf"int >= 0, got -1$",
+    ):
         with zrw.testing.fail_allocations(**{arg: -1}):
             pass
-    with pytest.raises(TypeError, match=rf"^zrw\.testing\.fail_allocations: {arg} must be an "
-                                        rf"int >= 0, got float 2\.0$"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^zrw\.testing\.fail_allocations: {arg} must be an "
+        rf"int >= 0, got float 2\.0$",
+    ):
         with zrw.testing.fail_allocations(**{arg: 2.0}):
             pass
     with pytest.raises(TypeError, match=rf"{arg} must be an int >= 0, got NoneType None$"):
@@ -67,7 +75,9 @@ def test_fail_allocations_needs_the_counting_allocator():
     """)
     assert out.split("\n")[:2] == [
         "zrw.testing.fail_allocations: the counting allocator is not installed: call "
-        "zrw.memory.install() before building the tensors whose allocations should fail", "0"]
+        "zrw.memory.install() before building the tensors whose allocations should fail",
+        "0",
+    ]
 
 
 def test_fail_allocations_fails_the_planned_allocations_and_cancels_the_rest():

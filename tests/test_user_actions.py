@@ -10,6 +10,7 @@ injected allocation failures and retried steps). Hypothesis draws the sequences.
 harness checks MasterWeights against torch's AdamW on FP32 parameters directly (the numbers
 must be the same bits there: MasterWeights' masters are the FP32 parameters).
 """
+
 import copy
 import io
 import os
@@ -81,8 +82,9 @@ def _load(model, opt, ctx):
 
 
 def _load_partial(model, opt, ctx):
-    model.load_state_dict({k: v for k, v in ctx["saved"].items() if "norm" in k or "up" in k},
-                          strict=False)
+    model.load_state_dict(
+        {k: v for k, v in ctx["saved"].items() if "norm" in k or "up" in k}, strict=False
+    )
 
 
 def _load_bad_shape(model, opt, ctx):
@@ -165,20 +167,35 @@ def _state_dict_read(model, opt, ctx):
 
 
 BETWEEN = {
-    "load": _load, "load_partial": _load_partial, "load_bad_shape": _load_bad_shape,
-    "load_not_a_tensor": _load_not_a_tensor, "apply_init": _apply_init,
-    "apply_data": _apply_data, "cast_round_trip": _cast_round_trip, "to_same": _to_same,
-    "eval_no_grad": _eval_no_grad, "eval_inference": _eval_inference,
-    "zero_keep": _zero_keep, "opt_round_trip": _opt_round_trip,
-    "inplace_no_grad": _inplace_no_grad, "state_dict": _state_dict_read,
-    "tie": _tie, "save_load": _save_load, "deepcopy": _deepcopy,
+    "load": _load,
+    "load_partial": _load_partial,
+    "load_bad_shape": _load_bad_shape,
+    "load_not_a_tensor": _load_not_a_tensor,
+    "apply_init": _apply_init,
+    "apply_data": _apply_data,
+    "cast_round_trip": _cast_round_trip,
+    "to_same": _to_same,
+    "eval_no_grad": _eval_no_grad,
+    "eval_inference": _eval_inference,
+    "zero_keep": _zero_keep,
+    "opt_round_trip": _opt_round_trip,
+    "inplace_no_grad": _inplace_no_grad,
+    "state_dict": _state_dict_read,
+    "tie": _tie,
+    "save_load": _save_load,
+    "deepcopy": _deepcopy,
     "fault_step": None,  # handled in run(): the next step fails once, then is retried
 }
 # Inside a step (between micro-batches): what can run while weights are released.
 INSIDE = {
-    "eval_no_grad": _eval_no_grad, "eval_inference": _eval_inference,
-    "cast_round_trip": _cast_round_trip, "to_same": _to_same, "state_dict": _state_dict_read,
-    "apply_init": _apply_init, "deepcopy": _deepcopy, "save_load": _save_load,
+    "eval_no_grad": _eval_no_grad,
+    "eval_inference": _eval_inference,
+    "cast_round_trip": _cast_round_trip,
+    "to_same": _to_same,
+    "state_dict": _state_dict_read,
+    "apply_init": _apply_init,
+    "deepcopy": _deepcopy,
+    "save_load": _save_load,
 }
 
 
@@ -191,7 +208,7 @@ def run(release, script, recipe="mxfp8", steps=4, micro=2):
     losses, raised = [], []
     for s in range(steps):
         fault = False
-        for (at, where, name) in script:
+        for at, where, name in script:
             if at == s and where == "between":
                 if name == "fault_step":
                     fault = True
@@ -202,7 +219,7 @@ def run(release, script, recipe="mxfp8", steps=4, micro=2):
             (loss / micro).backward()
             losses.append(loss.detach())
             if i == 0:
-                for (at, where, name) in script:
+                for at, where, name in script:
                     if at == s and where == "inside":
                         raised.append(_do(INSIDE[name], model, opt, ctx))
         if fault:
@@ -210,6 +227,7 @@ def run(release, script, recipe="mxfp8", steps=4, micro=2):
             # undisturbed step gives.
             def boom(*_):
                 raise RuntimeError("injected")
+
             h = opt.inner.register_step_pre_hook(boom)
             with pytest.raises(RuntimeError, match="injected"):
                 opt.step()
@@ -237,7 +255,8 @@ def assert_same_run(script, recipe="mxfp8"):
     cache.cache_clear()
     assert on[2] == off[2], f"{script}: errors differ: on {on[2]}, off {off[2]}"
     assert torch.equal(on[0].view(torch.int32), off[0].view(torch.int32)), (
-        f"{script}: losses differ: {on[0].tolist()} vs {off[0].tolist()}")
+        f"{script}: losses differ: {on[0].tolist()} vs {off[0].tolist()}"
+    )
     for k in off[1]:
         a, b = on[1][k], off[1][k]
         assert a.dtype == b.dtype and torch.equal(a, b), f"{script}: final {k} differs"
@@ -286,13 +305,23 @@ def test_load_between_steps_is_not_undone_by_the_next_step(recipe):
 
 
 # ZRW_ACTION_EXAMPLES / ZRW_ACTION_RANDOM=1: a longer, randomized sweep by hand.
-@settings(max_examples=int(os.environ.get("ZRW_ACTION_EXAMPLES", "50")), deadline=None,
-          derandomize=os.environ.get("ZRW_ACTION_RANDOM") is None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.one_of(
-    st.tuples(st.integers(1, 3), st.just("between"), st.sampled_from(sorted(BETWEEN))),
-    st.tuples(st.integers(0, 3), st.just("inside"), st.sampled_from(sorted(INSIDE)))),
-    min_size=1, max_size=5), st.sampled_from(["mxfp8", "mxfp8-32x32"]))
+@settings(
+    max_examples=int(os.environ.get("ZRW_ACTION_EXAMPLES", "50")),
+    deadline=None,
+    derandomize=os.environ.get("ZRW_ACTION_RANDOM") is None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.integers(1, 3), st.just("between"), st.sampled_from(sorted(BETWEEN))),
+            st.tuples(st.integers(0, 3), st.just("inside"), st.sampled_from(sorted(INSIDE))),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.sampled_from(["mxfp8", "mxfp8-32x32"]),
+)
 def test_random_sequences_release_on_equals_off(script, recipe):
     assert_same_run(script, recipe)
 
@@ -309,10 +338,12 @@ def test_a_failed_load_changes_nothing(bad):
         opt.zero_grad()
         before = snapshot(model)
         sd = {k: v + 1 for k, v in before.items()}
-        key = {"shape": "norm.bias", "not_a_tensor": "up.weight",
-               "scalar_shape": "head.weight"}[bad]
-        sd[key] = {"shape": torch.zeros(3), "not_a_tensor": "x",
-                   "scalar_shape": torch.zeros(())}[bad]
+        key = {"shape": "norm.bias", "not_a_tensor": "up.weight", "scalar_shape": "head.weight"}[
+            bad
+        ]
+        sd[key] = {"shape": torch.zeros(3), "not_a_tensor": "x", "scalar_shape": torch.zeros(())}[
+            bad
+        ]
         with pytest.raises(RuntimeError, match=rf"{key}.*|.*{key}"):
             model.load_state_dict(sd)
         after = snapshot(model)
@@ -324,6 +355,7 @@ def test_a_failed_load_changes_nothing(bad):
 
 
 # --- MasterWeights against torch's own optimizer on FP32 parameters -----------------------------
+
 
 def _fp32_pair():
     torch.manual_seed(3)
@@ -362,10 +394,13 @@ def test_masters_follow_writes_between_steps_as_torch_does():
     a, ours, b, plain = _fp32_pair()
     x = torch.randn(4, 16)
     saved = copy.deepcopy(a.state_dict())
-    writes = [lambda m: m.load_state_dict(saved),
-              lambda m: m.apply(lambda mod: nn.init.constant_(mod.bias, 0.5)
-                                if isinstance(mod, nn.Linear) else None),
-              lambda m: m[0].weight.data.mul_(0.5)]
+    writes = [
+        lambda m: m.load_state_dict(saved),
+        lambda m: m.apply(
+            lambda mod: nn.init.constant_(mod.bias, 0.5) if isinstance(mod, nn.Linear) else None
+        ),
+        lambda m: m[0].weight.data.mul_(0.5),
+    ]
     for s in range(4):
         for m, o in ((a, ours), (b, plain)):
             if s:
@@ -384,6 +419,7 @@ def test_a_failed_inner_step_can_be_retried():
 
     def boom(*_):
         raise RuntimeError("injected")
+
     h = ours.inner.register_step_pre_hook(boom)
     with pytest.raises(RuntimeError, match="injected"):
         ours.step()
@@ -470,8 +506,11 @@ def test_a_write_through_data_to_a_frozen_weight_is_seen_by_the_next_training_us
 
 def test_error_paths_name_what_was_expected():
     lin = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"max_grad_norm must be a positive number or None, "
-                                         r"got -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_grad_norm must be a positive number or None, "
+        r"got -1",
+    ):
         MasterWeights(torch.optim.SGD, lin.parameters(), lr=0.1, max_grad_norm=-1)
     with pytest.raises(ValueError, match=r"restore_frozen: fill must be 'dequant'.*got 'zeros'"):
         cache.restore_frozen(lin, "zeros")
@@ -482,6 +521,9 @@ def test_error_paths_name_what_was_expected():
     opt = MasterWeights(torch.optim.SGD, lin.parameters(), lr=0.1)
     lin.weight.data = torch.zeros(2, 4)
     lin.weight.grad = torch.zeros(2, 4)
-    with pytest.raises(RuntimeError, match=r"changed shape from \(4, 4\) to \(2, 4\).*new "
-                                           r"optimizer"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"changed shape from \(4, 4\) to \(2, 4\).*new "
+        r"optimizer",
+    ):
         opt.step()

@@ -3,6 +3,7 @@
 Importing zrw loads the C++ extension `zrw._C`, which registers the `torch.ops.zrw.*` ops and
 their CPU kernels; `zrw.ops` wraps them one-to-one, `zrw.reference` is their plain-PyTorch spec.
 """
+
 import torch  # noqa: F401  (libtorch is loaded before the extension that links to it)
 
 try:

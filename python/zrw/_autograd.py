@@ -9,15 +9,23 @@ registered here raises at call time instead, naming the op and the argument; eve
 (no_grad, inputs that do not require grad, inference mode) goes straight to the backend kernels
 below autograd, exactly as without it.
 """
+
 import torch
 from torch import Tensor
 
 # The ops that compute on MX data. The cache ops (quant_and_release, restore, ...) quantize
 # below autograd inside C++ and return fresh FP8 tensors; they are not listed here.
-NOT_DIFFERENTIABLE = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block",
-                      "mx_quantize_from_master", "mx_quantize_dual_from_master",
-                      "mx_quantize_block_from_master", "mx_dequantize", "mx_matmul",
-                      "mx_expand_block_scale")
+NOT_DIFFERENTIABLE = (
+    "mx_quantize",
+    "mx_quantize_dual",
+    "mx_quantize_block",
+    "mx_quantize_from_master",
+    "mx_quantize_dual_from_master",
+    "mx_quantize_block_from_master",
+    "mx_dequantize",
+    "mx_matmul",
+    "mx_expand_block_scale",
+)
 
 _lib = torch.library.Library("zrw", "IMPL")
 
@@ -35,7 +43,8 @@ def _refusing_autograd_kernel(name: str):
                         "(under grad mode): its gradient would silently vanish. Train through "
                         "zrw.nn.MXLinear / MXGroupedLinear or write a torch.autograd.Function "
                         f"whose backward calls zrw ops; or pass {arg}.detach() (or call it "
-                        "under torch.no_grad()) if no gradient is wanted")
+                        "under torch.no_grad()) if no gradient is wanted"
+                    )
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
     return kernel

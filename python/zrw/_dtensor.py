@@ -4,6 +4,7 @@ them). Imports nothing from zrw; torch.distributed.tensor is imported on first u
 
 The public names are re-exported by zrw.parallel, and the messages name them there.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,10 @@ def check_tensor(op: str, arg: str, t) -> Tensor:
 
 def check_dtensor(op: str, arg: str, t) -> Tensor:
     if not is_dtensor(t):
-        raise TypeError(f"{op}: {arg} must be a DTensor (torch.distributed.tensor), got "
-                        f"{'a plain ' if isinstance(t, Tensor) else ''}{type(t).__name__}")
+        raise TypeError(
+            f"{op}: {arg} must be a DTensor (torch.distributed.tensor), got "
+            f"{'a plain ' if isinstance(t, Tensor) else ''}{type(t).__name__}"
+        )
     return t
 
 
@@ -61,8 +64,14 @@ def wrap_like(param: Tensor, local: Tensor) -> Tensor:
     check_tensor("zrw._dtensor.wrap_like", "local", local)
     if not is_dtensor(param):
         return local
-    return _dtensor_cls().from_local(local, param.device_mesh, param.placements,
-                                     run_check=False, shape=param.shape, stride=param.stride())
+    return _dtensor_cls().from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def engine_view_owner(w: Tensor) -> Optional[Tensor]:
@@ -77,8 +86,11 @@ def engine_view_owner(w: Tensor) -> Optional[Tensor]:
     base = getattr(w, "_base", None)
     if base is None or w.grad_fn is None or base.grad_fn is not None or base.requires_grad:
         return None
-    if (w.shape != base.shape or w.stride() != base.stride()
-            or w.storage_offset() != base.storage_offset()):
+    if (
+        w.shape != base.shape
+        or w.stride() != base.stride()
+        or w.storage_offset() != base.storage_offset()
+    ):
         return None
     return base
 
@@ -99,8 +111,9 @@ def check_placements(w: Tensor, name: str) -> None:
     placement, and shards holding whole 32-element blocks along both blocked axes."""
     check_dtensor("zrw._dtensor.check_placements", "w", w)
     if not isinstance(name, str):
-        raise TypeError(f"zrw._dtensor.check_placements: name must be a str, got "
-                        f"{type(name).__name__}")
+        raise TypeError(
+            f"zrw._dtensor.check_placements: name must be a str, got {type(name).__name__}"
+        )
     mesh = w.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -109,11 +122,14 @@ def check_placements(w: Tensor, name: str) -> None:
             "local shard of a 1-d (tensor- or expert-parallel) mesh. For FSDP2 x TP on a 2-d "
             "mesh, call zrw.fsdp.prepare(model) after parallelize_module (on the TP mesh "
             "dimension) and before fully_shard (on the DP one): FSDP2 then gathers the TP-local "
-            "weight's MXFP8 planes and the layer sees a 1-d TP DTensor")
+            "weight's MXFP8 planes and the layer sees a 1-d TP DTensor"
+        )
     (p,) = w.placements
     if p.is_partial():
-        raise ValueError(f"zrw: weight '{name}' has placement {p}: a weight must be sharded "
-                         "or replicated, not a pending sum")
+        raise ValueError(
+            f"zrw: weight '{name}' has placement {p}: a weight must be sharded "
+            "or replicated, not a pending sum"
+        )
     dim, factor = shard_info(p)
     if dim is None:
         return
@@ -124,16 +140,24 @@ def check_placements(w: Tensor, name: str) -> None:
     size = w.shape[dim]
     if world == 1:
         return
-    axis = "N (out_features; the backward plane's blocks)" if dim == w.dim() - 2 else \
-        "K (in_features; the forward plane's blocks)"
+    axis = (
+        "N (out_features; the backward plane's blocks)"
+        if dim == w.dim() - 2
+        else "K (in_features; the forward plane's blocks)"
+    )
     if size % factor:
-        raise ValueError(f"zrw: weight '{name}' packs {factor} parts along dim {dim} of size "
-                         f"{size}, which does not divide into them")
+        raise ValueError(
+            f"zrw: weight '{name}' packs {factor} parts along dim {dim} of size "
+            f"{size}, which does not divide into them"
+        )
     part = size // factor
     chunk = math.ceil(part / world)
     if chunk % BLOCK or (factor > 1 and part % BLOCK):
-        got = f"{chunk} per rank" if factor == 1 else \
-            f"{chunk} per rank of each of its {factor} packed parts of {part}"
+        got = (
+            f"{chunk} per rank"
+            if factor == 1
+            else f"{chunk} per rank of each of its {factor} packed parts of {part}"
+        )
         names = mesh.mesh_dim_names
         over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else f"{world} ranks"
         raise ValueError(
@@ -142,4 +166,5 @@ def check_placements(w: Tensor, name: str) -> None:
             f"block ({BLOCK}). A shard boundary inside a block would give this rank other "
             "scales than the unsharded weight. Use a parallel degree that splits this axis "
             f"into multiples of {BLOCK}, or keep the layer in BF16 (zrw.convert(model, "
-            "skip=[...]) before sharding)")
+            "skip=[...]) before sharding)"
+        )

@@ -6,6 +6,7 @@ the CPU kernel it stands for (see zrw.ops). The cache ops that take tensors get 
 refuse (they are eager-only); the tensorless bookkeeping ops (cache_clear, next_step,
 cache_stats, cache_entries) have none: no fake tensor can dispatch to them.
 """
+
 import torch
 
 from .ops import SCALE_MODES
@@ -35,20 +36,24 @@ def _check_devices(op: str, **tensors) -> None:
     first_name, first = next(iter(tensors.items()))
     for name, t in tensors.items():
         if t.device != first.device:
-            raise RuntimeError(f"{op}: {name} must be on {first.device} like {first_name}, got a "
-                               f"tensor on {t.device}")
+            raise RuntimeError(
+                f"{op}: {name} must be on {first.device} like {first_name}, got a "
+                f"tensor on {t.device}"
+            )
 
 
 def _check_float_input(op: str, arg: str, x) -> None:
     if x.dtype not in _FLOAT_IN:
-        raise TypeError(f"{op}: {arg} must be torch.bfloat16, torch.float16 or torch.float32, "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{op}: {arg} must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}"
+        )
 
 
 def _check_elem(op: str, arg: str, dtype) -> None:
     if dtype not in _FP8:
-        raise TypeError(f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got "
-                        f"{dtype}")
+        raise TypeError(
+            f"{op}: {arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        )
 
 
 def _check_mode(op: str, mode: str) -> None:
@@ -59,8 +64,9 @@ def _check_mode(op: str, mode: str) -> None:
 
 def _check_out_dtype(op: str, dtype) -> None:
     if dtype not in _FLOAT_IN:
-        raise TypeError(f"{op}: out_dtype must be torch.bfloat16, torch.float16 or "
-                        f"torch.float32, got {dtype}")
+        raise TypeError(
+            f"{op}: out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}"
+        )
 
 
 def _check_scale(op: str, arg: str, s) -> None:
@@ -72,23 +78,25 @@ def _wrap(op: str, arg: str, dim: int, ndim: int) -> int:
     if ndim == 0:
         raise IndexError(f"{op}: {arg} must have at least one dimension, got a 0-d tensor")
     if not -ndim <= dim < ndim:
-        raise IndexError(f"{op}: dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-d {arg}, "
-                         f"got {dim}")
+        raise IndexError(
+            f"{op}: dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-d {arg}, got {dim}"
+        )
     return dim % ndim
 
 
 def _check_weight_rank(op: str, w) -> None:
     if w.dim() not in (2, 3):
-        raise ValueError(f"{op}: w must be 2-d (N, K) or 3-d (E, N, K), got shape "
-                         f"{list(w.shape)}")
+        raise ValueError(f"{op}: w must be 2-d (N, K) or 3-d (E, N, K), got shape {list(w.shape)}")
 
 
 def _check_scale_matches(op, data_arg, scale_arg, data, scale, dim) -> None:
     expected = _scale_shape(data.shape, dim)
     if list(scale.shape) != list(expected):
-        raise ValueError(f"{op}: {scale_arg} must have shape {list(expected)} for {data_arg} of "
-                         f"shape {list(data.shape)} blocked along dim {dim}, got "
-                         f"{list(scale.shape)}")
+        raise ValueError(
+            f"{op}: {scale_arg} must have shape {list(expected)} for {data_arg} of "
+            f"shape {list(data.shape)} blocked along dim {dim}, got "
+            f"{list(scale.shape)}"
+        )
 
 
 @torch.library.register_fake("zrw::mx_quantize")
@@ -153,20 +161,23 @@ _PARAM = (torch.bfloat16, torch.float16)
 
 def _check_master(op: str, master) -> None:
     if master.dtype != torch.float32:
-        raise TypeError(f"{op}: master must be torch.float32 (the FP32 master weight), got "
-                        f"{master.dtype}")
+        raise TypeError(
+            f"{op}: master must be torch.float32 (the FP32 master weight), got {master.dtype}"
+        )
 
 
 def _check_param_dtype(op: str, param_dtype) -> None:
     if param_dtype not in _PARAM:
-        raise TypeError(f"{op}: param_dtype must be torch.bfloat16 or torch.float16, got "
-                        f"{param_dtype}")
+        raise TypeError(
+            f"{op}: param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}"
+        )
 
 
 def _check_master_weight_rank(op: str, master) -> None:
     if master.dim() not in (2, 3):
-        raise ValueError(f"{op}: master must be 2-d (N, K) or 3-d (E, N, K), got shape "
-                         f"{list(master.shape)}")
+        raise ValueError(
+            f"{op}: master must be 2-d (N, K) or 3-d (E, N, K), got shape {list(master.shape)}"
+        )
 
 
 @torch.library.register_fake("zrw::mx_quantize_from_master")
@@ -190,15 +201,17 @@ def _check_master_weight_args(op, master, param_dtype, elem_dtype, scale_mode) -
 
 @torch.library.register_fake("zrw::mx_quantize_dual_from_master")
 def _(master, param_dtype, elem_dtype, scale_mode):
-    _check_master_weight_args("zrw.mx_quantize_dual_from_master", master, param_dtype,
-                              elem_dtype, scale_mode)
+    _check_master_weight_args(
+        "zrw.mx_quantize_dual_from_master", master, param_dtype, elem_dtype, scale_mode
+    )
     return _dual_outputs(master, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_quantize_block_from_master")
 def _(master, param_dtype, elem_dtype, scale_mode):
-    _check_master_weight_args("zrw.mx_quantize_block_from_master", master, param_dtype,
-                              elem_dtype, scale_mode)
+    _check_master_weight_args(
+        "zrw.mx_quantize_block_from_master", master, param_dtype, elem_dtype, scale_mode
+    )
     return _block_outputs(master, elem_dtype)
 
 
@@ -228,8 +241,10 @@ def _(a, a_scale, b, b_scale, out_dtype):
     if b.dim() != 2:
         raise ValueError(f"{op}: b must be 2-d (N, K), got shape {list(b.shape)}")
     if a.shape[1] != b.shape[1]:
-        raise ValueError(f"{op}: a (M, K) and b (N, K) must share K (both blocked along K), got "
-                         f"a {list(a.shape)} and b {list(b.shape)}")
+        raise ValueError(
+            f"{op}: a (M, K) and b (N, K) must share K (both blocked along K), got "
+            f"a {list(a.shape)} and b {list(b.shape)}"
+        )
     _check_scale_matches(op, "a", "a_scale", a, a_scale, 1)
     _check_scale_matches(op, "b", "b_scale", b, b_scale, 1)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
@@ -241,18 +256,26 @@ def _mx_expand_block_scale_fake(block_scale, n, k, dim):
     if block_scale.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"{op}: block_scale must be torch.float8_e8m0fnu, got {block_scale.dtype}")
     nd = block_scale.dim()
-    if nd not in (2, 3) or n < 0 or k < 0 or tuple(block_scale.shape[-2:]) != (
-            _ceil_div(n, BLOCK), _ceil_div(k, BLOCK)):
-        raise ValueError(f"{op}: block_scale of a weight with N={n}, K={k} must end in "
-                         f"({_ceil_div(n, BLOCK)}, {_ceil_div(k, BLOCK)}), got shape "
-                         f"{tuple(block_scale.shape)}")
+    if (
+        nd not in (2, 3)
+        or n < 0
+        or k < 0
+        or tuple(block_scale.shape[-2:]) != (_ceil_div(n, BLOCK), _ceil_div(k, BLOCK))
+    ):
+        raise ValueError(
+            f"{op}: block_scale of a weight with N={n}, K={k} must end in "
+            f"({_ceil_div(n, BLOCK)}, {_ceil_div(k, BLOCK)}), got shape "
+            f"{tuple(block_scale.shape)}"
+        )
     if dim in (-1, nd - 1):
         shape = (*block_scale.shape[:-2], n, block_scale.shape[-1])
     elif dim in (-2, nd - 2):
         shape = (*block_scale.shape[:-1], k)
     else:
-        raise IndexError(f"{op}: dim must be -1 (the forward scale, blocks along K) or -2 (the "
-                         f"backward scale, blocks along N), got {dim}")
+        raise IndexError(
+            f"{op}: dim must be -1 (the forward scale, blocks along K) or -2 (the "
+            f"backward scale, blocks along N), got {dim}"
+        )
     return block_scale.new_empty(shape)
 
 
@@ -282,7 +305,8 @@ def _eager_only(name: str):
         raise RuntimeError(
             f"zrw.{name} is a stateful, eager-only op (the native weight cache): it cannot run on "
             "fake or meta tensors or inside a compiled graph; zrw.cache wraps it with "
-            "torch._dynamo.disable, so call it through zrw.cache")
+            "torch._dynamo.disable, so call it through zrw.cache"
+        )
 
     return fake
 
@@ -290,6 +314,14 @@ def _eager_only(name: str):
 # The cache ops that take tensors (weights; restore_all its skip list): no meaningful fake exists
 # (their effect is on the weights' storage and the process-wide table), so the fake says so
 # instead of pretending.
-for _name in ("restore", "restore_weights", "assign_weights", "cache_invalidate", "cache_state",
-              "cache_states", "cache_master", "restore_all"):
+for _name in (
+    "restore",
+    "restore_weights",
+    "assign_weights",
+    "cache_invalidate",
+    "cache_state",
+    "cache_states",
+    "cache_master",
+    "restore_all",
+):
     torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))

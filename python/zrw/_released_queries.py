@@ -27,6 +27,7 @@ Known limit: like any read of a weight's data from another thread during a train
 Threads guarantee in docs/guarantees.md), a release between the probe and torch's call is a
 race in the caller's code.
 """
+
 from __future__ import annotations
 
 import torch

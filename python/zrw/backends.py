@@ -17,16 +17,26 @@ import torch
 
 from . import _C
 
-MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_quantize_from_master",
-          "mx_quantize_dual_from_master", "mx_quantize_block_from_master", "mx_dequantize",
-          "mx_matmul")
+MX_OPS = (
+    "mx_quantize",
+    "mx_quantize_dual",
+    "mx_quantize_block",
+    "mx_quantize_from_master",
+    "mx_quantize_dual_from_master",
+    "mx_quantize_block_from_master",
+    "mx_dequantize",
+    "mx_matmul",
+)
 
 # torch_npu's operators that the NPU adapter calls, with the zrw ops that call them: npu:: operators
 # of torch_npu 2.13.0, the release for torch 2.13 (tests/npu/test_real_torch_npu.py checks each
 # name against its wheel). mx_dequantize uses ATen ops, not npu_anti_mx_quant (docs/npu.md).
 NPU_OPERATORS = {
-    "npu_dynamic_mx_quant": ("mx_quantize", "mx_quantize_dual (float32 weights)",
-                             "mx_quantize_from_master"),
+    "npu_dynamic_mx_quant": (
+        "mx_quantize",
+        "mx_quantize_dual (float32 weights)",
+        "mx_quantize_from_master",
+    ),
     "npu_dynamic_mx_quant_with_dual_axis": ("mx_quantize_dual", "mx_quantize_dual_from_master"),
     "npu_dynamic_block_mx_quant": ("mx_quantize_block", "mx_quantize_block_from_master"),
     "npu_quant_matmul": ("mx_matmul",),
@@ -72,8 +82,13 @@ def backends():
     npu_kernels = _kernels("PrivateUse1")
     operators = {name: _npu_operator_available(name) for name in NPU_OPERATORS}
     return {
-        "cpu": {"available": True, "kernels": _kernels("CPU"), "isa": _C.cpu_isa(),
-                "gemm": _C.cpu_gemm(), "native_bf16": _C.cpu_native_bf16()},
+        "cpu": {
+            "available": True,
+            "kernels": _kernels("CPU"),
+            "isa": _C.cpu_isa(),
+            "gemm": _C.cpu_gemm(),
+            "native_bf16": _C.cpu_native_bf16(),
+        },
         "cuda": {"available": bool(_kernels("CUDA")), "kernels": _kernels("CUDA")},
         "npu": {
             # mx_dequantize needs no torch_npu operator, the other four do.

@@ -24,6 +24,7 @@ fills them before it clears the release poison, and runs under the cache's lock;
 could not restore keeps its entry and its FP8 copy, and the error names it. No fill hands out
 uninitialized memory unless the caller asked for "empty".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,19 +52,21 @@ _release_state = threading.local()
 
 # Why torch.compile breaks the graph at zrw's stateful calls (dynamo names it in its message,
 # e.g. under fullgraph=True).
-EAGER_ONLY = ("zrw's weight cache is eager-only: a converted model's forward breaks the graph "
-              "at each zrw layer's cache lookup (and at the model's once-per-step tie check), "
-              "so torch.compile(model, fullgraph=True) cannot compile it; compile without "
-              "fullgraph=True (docs/guarantees.md)")
+EAGER_ONLY = (
+    "zrw's weight cache is eager-only: a converted model's forward breaks the graph "
+    "at each zrw layer's cache lookup (and at the model's once-per-step tie check), "
+    "so torch.compile(model, fullgraph=True) cannot compile it; compile without "
+    "fullgraph=True (docs/guarantees.md)"
+)
 
 
 class CacheState(str, enum.Enum):
     """What the native cache holds for a weight (zrw.cache.cache_state). A str enum: each state
     compares equal to its name's value ("none", "cached", "released", "released_for_good")."""
 
-    NONE = "none"                            # no entry
-    CACHED = "cached"                        # its FP8 copy is cached, its storage kept
-    RELEASED = "released"                    # cached, storage released until the boundary
+    NONE = "none"  # no entry
+    CACHED = "cached"  # its FP8 copy is cached, its storage kept
+    RELEASED = "released"  # cached, storage released until the boundary
     RELEASED_FOR_GOOD = "released_for_good"  # a frozen weight released with release_frozen
 
     @property
@@ -116,8 +119,9 @@ def _check_tensor(op: str, arg: str, t) -> Tensor:
 def _check_weight(op: str, w, arg: str = "w") -> Tensor:
     w = _check_tensor(op, arg, w)
     if w.dim() not in (2, 3):
-        raise ValueError(f"{op}: {arg} must be a 2-d (N, K) or 3-d (E, N, K) weight, got shape "
-                         f"{tuple(w.shape)}")
+        raise ValueError(
+            f"{op}: {arg} must be a 2-d (N, K) or 3-d (E, N, K) weight, got shape {tuple(w.shape)}"
+        )
     return w
 
 
@@ -131,7 +135,8 @@ def _export_error(op: str, what: str) -> RuntimeError:
         "(the graph would fix whether a weight is released at trace time and lose zrw's "
         "autograd functions, so it could not train). For pipeline parallelism build each "
         "stage by hand, torch.distributed.pipelining.PipelineStage(submodule, stage_index, "
-        "num_stages, device), instead of pipeline() (docs/distributed.md: Pipeline parallelism)")
+        "num_stages, device), instead of pipeline() (docs/distributed.md: Pipeline parallelism)"
+    )
 
 
 def _check_fill(op: str, fill) -> None:
@@ -143,8 +148,10 @@ def _check_fill(op: str, fill) -> None:
 
 def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
-        raise TypeError(f"{op}: {arg} must be an iterable of tensors (a list, not a single "
-                        f"tensor, name or dict), got {type(ts).__name__}")
+        raise TypeError(
+            f"{op}: {arg} must be an iterable of tensors (a list, not a single "
+            f"tensor, name or dict), got {type(ts).__name__}"
+        )
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
@@ -186,8 +193,16 @@ def quant_and_release(
         # torch.compile: a graph break, with EAGER_ONLY's reason (the copy runs eagerly, where
         # is_compiling() is False). torch.export is refused below, by name.
         return _eager_quant_and_release(
-            w, recipe, release, release_frozen=release_frozen, elem_dtype=elem_dtype,
-            scale_mode=scale_mode, name=name, require_owner=require_owner, trainable=trainable)
+            w,
+            recipe,
+            release,
+            release_frozen=release_frozen,
+            elem_dtype=elem_dtype,
+            scale_mode=scale_mode,
+            name=name,
+            require_owner=require_owner,
+            trainable=trainable,
+        )
     op = "zrw.cache.quant_and_release"
     if trainable is None:
         trainable = w.requires_grad if isinstance(w, Tensor) else False
@@ -195,14 +210,17 @@ def quant_and_release(
         raise TypeError(f"{op}: trainable must be a bool or None, got {type(trainable).__name__}")
     w = _check_weight(op, w)  # a DTensor: its local shard
     if not isinstance(recipe, str):
-        raise TypeError(f"{op}: recipe must be a str, one of {RECIPES}, got "
-                        f"{type(recipe).__name__}")
+        raise TypeError(
+            f"{op}: recipe must be a str, one of {RECIPES}, got {type(recipe).__name__}"
+        )
     for arg, flag in (("release", release), ("release_frozen", release_frozen)):
         if not isinstance(flag, (bool, int)):
             raise TypeError(f"{op}: {arg} must be a bool, got {type(flag).__name__}")
     if not isinstance(elem_dtype, torch.dtype):
-        raise TypeError(f"{op}: elem_dtype must be a torch.dtype (torch.float8_e4m3fn or "
-                        f"torch.float8_e5m2), got {type(elem_dtype).__name__}")
+        raise TypeError(
+            f"{op}: elem_dtype must be a torch.dtype (torch.float8_e4m3fn or "
+            f"torch.float8_e5m2), got {type(elem_dtype).__name__}"
+        )
     if not isinstance(scale_mode, str):
         raise TypeError(f"{op}: scale_mode must be a str, got {type(scale_mode).__name__}")
     if name is not None and not isinstance(name, str):
@@ -215,7 +233,8 @@ def quant_and_release(
         raise ValueError(
             f"{op}: weight {shown!r} is on the meta device (no data): it can be neither "
             "quantized nor released. Materialize the model first (e.g. "
-            "model.to_empty(device='cpu') and load or initialize its weights)")
+            "model.to_empty(device='cpu') and load or initialize its weights)"
+        )
     rec = record_of(w)
     layout = (recipe, elem_dtype, scale_mode)
     if rec.quantized_as != layout:
@@ -235,8 +254,15 @@ def quant_and_release(
             _sync_before_release(w, rec)
     # Under no_grad nothing is released and the guard never asks: the weight's own flag.
     tensors = torch.ops.zrw.quant_and_release.default(
-        w, recipe, release, release_frozen, elem_dtype, scale_mode, name,
-        trainable if grad else w.requires_grad)
+        w,
+        recipe,
+        release,
+        release_frozen,
+        elem_dtype,
+        scale_mode,
+        name,
+        trainable if grad else w.requires_grad,
+    )
     return MXWeight.from_tensors(recipe, tensors)
 
 
@@ -287,7 +313,8 @@ def _unfreeze(op: str, w: Tensor, rec, name: str) -> None:
             "requires grad again. Nothing was changed. Either unfreeze it only after "
             "zrw.cache.restore_frozen(model) (its dequantized FP8 values become its BF16 "
             "weights: lossy), or build the optimizer over it before it is released "
-            "(zrw.optim.AdamW / MasterWeights keep its exact FP32 master)")
+            "(zrw.optim.AdamW / MasterWeights keep its exact FP32 master)"
+        )
     torch.ops.zrw.restore(w, "master", master)
 
 
@@ -317,9 +344,11 @@ def _warn_unowned(name: str) -> None:
         "exact, without the zero-redundancy saving. Build the optimizer before the first "
         "training forward as zrw.optim.AdamW(params, ...) or "
         "zrw.optim.attach(zrw.optim.MasterWeights(...)); with Hugging Face's Trainer or TRL's "
-        "SFTTrainer pass optimizer_cls_and_kwargs=(zrw.optim.AdamW, {\"lr\": ...}). (If the "
+        'SFTTrainer pass optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": ...}). (If the '
         "optimizer is built later, the release starts with its first step.)",
-        UserWarning, stacklevel=3)
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _sync_before_release(w: Tensor, rec) -> None:
@@ -346,8 +375,10 @@ def take_into_master(master: Tensor, value: Tensor) -> bool:
     optimizer built over them). Returns whether the master changed."""
     master, value = _local(master), _local(value)
     if master.shape != value.shape:
-        raise ValueError(f"zrw.cache.take_into_master: value must have the master's shape "
-                         f"{tuple(master.shape)}, got {tuple(value.shape)}")
+        raise ValueError(
+            f"zrw.cache.take_into_master: value must have the master's shape "
+            f"{tuple(master.shape)}, got {tuple(value.shape)}"
+        )
     if value.dtype == master.dtype:
         unchanged = torch.equal(master, value)
     else:
@@ -363,8 +394,7 @@ def set_weight_name(w: Tensor, name: str) -> None:
     """Name `w` for zrw's messages (the release poison, cache_entries) where a call passes none."""
     w = _check_tensor("zrw.cache.set_weight_name", "w", w)
     if not isinstance(name, str):
-        raise TypeError(f"zrw.cache.set_weight_name: name must be a str, got "
-                        f"{type(name).__name__}")
+        raise TypeError(f"zrw.cache.set_weight_name: name must be a str, got {type(name).__name__}")
     record_of(w).name = name
 
 
@@ -404,8 +434,7 @@ def unchanged_since_write_back(p: Tensor, rec, master: Tensor) -> bool:
     if rec is None or rec.digest is None or rec.written is None:
         return False
     cur = None if rec.current is None else rec.current()
-    return (cur is master and weight_signature(p) == rec.written
-            and weight_digest(p) == rec.digest)
+    return cur is master and weight_signature(p) == rec.written and weight_digest(p) == rec.digest
 
 
 def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
@@ -416,12 +445,11 @@ def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
     bits = _BITS[p.element_size()]
     pf, mf = p.detach().reshape(-1), m.detach().reshape(-1)
     for i in range(0, pf.numel(), _CHUNK):
-        a = pf[i:i + _CHUNK].contiguous()
-        b = mf[i:i + _CHUNK].to(p.dtype)
+        a = pf[i : i + _CHUNK].contiguous()
+        b = mf[i : i + _CHUNK].to(p.dtype)
         if not torch.equal(a.view(bits), b.view(bits)):
             return False
     return True
-
 
 
 # Owners and masters live in each weight's record (zrw.record): the optimizers with the zrw
@@ -475,8 +503,10 @@ def register_master(weight: Tensor, master: Tensor, optimizer=None) -> None:
     weight = _check_tensor("zrw.cache.register_master", "weight", weight)
     master = _check_tensor("zrw.cache.register_master", "master", master)
     if master.shape != weight.shape:
-        raise ValueError(f"zrw.cache.register_master: master must have the weight's shape "
-                         f"{tuple(weight.shape)}, got {tuple(master.shape)}")
+        raise ValueError(
+            f"zrw.cache.register_master: master must have the weight's shape "
+            f"{tuple(weight.shape)}, got {tuple(master.shape)}"
+        )
     record_of(weight).set_master(optimizer, master)
 
 
@@ -501,7 +531,8 @@ def _no_master_error(op: str, w: Tensor) -> ValueError:
     name = weight_name(w) or f"<unnamed weight of shape {tuple(w.shape)}>"
     return ValueError(
         f"{op}: fill='master' needs the FP32 master of weight '{name}', but it has none: wrap "
-        "the optimizer in zrw.optim.MasterWeights, or use fill='dequant' (lossy)")
+        "the optimizer in zrw.optim.MasterWeights, or use fill='dequant' (lossy)"
+    )
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
@@ -524,8 +555,10 @@ def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) ->
         if fill != "master":
             raise ValueError(f"{op}: source is only read by fill='master', got fill={fill!r}")
         if source.shape != w.shape:
-            raise ValueError(f"{op}: source must have the weight's shape {tuple(w.shape)}, got "
-                             f"{tuple(source.shape)}")
+            raise ValueError(
+                f"{op}: source must have the weight's shape {tuple(w.shape)}, got "
+                f"{tuple(source.shape)}"
+            )
     elif fill == "master":
         source = master_of(w)
         if source is None and _STATES[torch.ops.zrw.cache_state(w)].released:
@@ -571,8 +604,9 @@ def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
-def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
-                   keep_released: bool = False) -> int:
+def assign_weights(
+    weights: Sequence[Tensor], sources: Sequence[Tensor], keep_released: bool = False
+) -> int:
     """Write each source's values (rounded to the weight's dtype, as `w.copy_(source)`) into its
     weight and drop the weight's FP8 entry: a released weight gets fresh bytes that are filled
     before the release poison is cleared (no reader ever sees uninitialized memory), any other
@@ -591,16 +625,18 @@ def assign_weights(weights: Sequence[Tensor], sources: Sequence[Tensor],
     ws = _tensor_list(op, "weights", weights)
     srcs = _tensor_list(op, "sources", sources)
     if len(ws) != len(srcs):
-        raise ValueError(f"{op}: weights and sources must have the same length, got {len(ws)} "
-                         f"and {len(srcs)}")
+        raise ValueError(
+            f"{op}: weights and sources must have the same length, got {len(ws)} and {len(srcs)}"
+        )
     if not isinstance(keep_released, bool):
         raise TypeError(f"{op}: keep_released must be a bool, got {type(keep_released).__name__}")
     return torch.ops.zrw.assign_weights(ws, srcs, keep_released)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
-def write_back(weights: Sequence[Tensor], sources: Sequence[Tensor],
-               keep_released: bool) -> List[Optional[int]]:
+def write_back(
+    weights: Sequence[Tensor], sources: Sequence[Tensor], keep_released: bool
+) -> List[Optional[int]]:
     """assign_weights for MasterWeights' write-back: also returns, per weight, the digest of
     the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken right
     after each write, from cache, or None (released, or not a contiguous CPU tensor). Arguments
@@ -661,8 +697,12 @@ def cache_state(w: Tensor) -> CacheState:
 
 def cache_states(weights: Iterable[Tensor]) -> List[CacheState]:
     """cache_state of each weight, in one call."""
-    return [_STATES[s] for s in torch.ops.zrw.cache_states(
-        _tensor_list("zrw.cache.cache_states", "weights", weights))]
+    return [
+        _STATES[s]
+        for s in torch.ops.zrw.cache_states(
+            _tensor_list("zrw.cache.cache_states", "weights", weights)
+        )
+    ]
 
 
 def is_released(w: Tensor) -> bool:
@@ -720,8 +760,10 @@ def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
     Returns the number restored."""
     op = "zrw.cache.restore_frozen"
     if fill != "dequant":
-        raise ValueError(f"{op}: fill must be 'dequant' (a frozen weight released for good has "
-                         f"only its FP8 copy), got {fill!r}")
+        raise ValueError(
+            f"{op}: fill must be 'dequant' (a frozen weight released for good has "
+            f"only its FP8 copy), got {fill!r}"
+        )
     if isinstance(model_or_weights, torch.nn.Module):
         ws = [_local(p) for p in model_or_weights.parameters()]
     else:
@@ -739,8 +781,9 @@ def cache_stats() -> Dict[str, int]:
     and skip_<reason> counts: release_false, no_grad, non_leaf, frozen, flat_buffer (storage
     larger than the tensor or at an offset), aliased (storage shared)."""
     if torch.compiler.is_exporting():
-        raise _export_error("zrw.cache.cache_stats",
-                            "a converted model (its forward reads the cache)")
+        raise _export_error(
+            "zrw.cache.cache_stats", "a converted model (its forward reads the cache)"
+        )
     names, values = torch.ops.zrw.cache_stats()
     return dict(zip(names, values))
 
@@ -763,8 +806,9 @@ def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> R
     restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
     `remove()` unregisters it. (Also zrw.optim.register_boundary_callback.)"""
     if not callable(fn):
-        raise TypeError(f"zrw.cache.register_boundary_callback: fn must be callable, got "
-                        f"{type(fn).__name__}")
+        raise TypeError(
+            f"zrw.cache.register_boundary_callback: fn must be callable, got {type(fn).__name__}"
+        )
     handle = RemovableHandle(_boundary_callbacks)
     _boundary_callbacks[handle.id] = fn
     return handle

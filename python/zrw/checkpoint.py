@@ -15,6 +15,7 @@ as long as the caller keeps it. The calls here never hold more than one material
 Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
 allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,17 @@ from .state_dict import (  # noqa: F401
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
 # naming each tensor's dtype, shape and byte range, then the bytes).
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
 
@@ -57,8 +66,9 @@ _DTYPES = {
 def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
     """model.state_dict() with each released weight as itself (materialized later)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"zrw.checkpoint: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"zrw.checkpoint: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     with deferred():
         return model.state_dict()
 
@@ -85,7 +95,8 @@ def _master(name: str, t: Tensor) -> Optional[Tensor]:
         f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
         "materialize it from; nothing more was written. Save after the optimizer step with "
         "zrw.optim.MasterWeights, or restore the weights first with "
-        "zrw.cache.restore_all('master')")
+        "zrw.cache.restore_all('master')"
+    )
 
 
 def _value(name: str, t: Tensor) -> Tensor:
@@ -109,8 +120,10 @@ def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     raises a named error when reached. A `model` that is not an nn.Module raises TypeError at
     the call, before anything is iterated."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"zrw.checkpoint.iter_state_dict: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"zrw.checkpoint.iter_state_dict: model must be a torch.nn.Module, got "
+            f"{type(model).__name__}"
+        )
 
     def entries() -> Iterator[Tuple[str, Tensor]]:
         for name, t in _plan(model).items():
@@ -119,8 +132,9 @@ def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     return entries()
 
 
-def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
-                     metadata: Optional[Dict[str, str]] = None) -> None:
+def save_safetensors(
+    model: torch.nn.Module, path: "str | os.PathLike", metadata: Optional[Dict[str, str]] = None
+) -> None:
     """Write `model.state_dict()` to `path` in the safetensors format, one tensor at a time: a
     released weight is materialized from its FP32 master, written and dropped before the next.
     `metadata` (str to str) goes into the header; None writes {"format": "pt"}, as
@@ -136,27 +150,34 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
-                        + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else ""))
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
+            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
+        )
     path = os.fspath(path)
     if not isinstance(path, str):
-        raise TypeError(f"{op}: path must be a str or an os.PathLike giving a str, got an "
-                        f"os.PathLike giving {type(path).__name__}")
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike giving a str, got an "
+            f"os.PathLike giving {type(path).__name__}"
+        )
     if not path:
         raise ValueError(f"{op}: path must name a file, got ''")
     if os.path.isdir(path):
         raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist "
-                                f"({folder!r})")
+        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist ({folder!r})")
     plan = _plan(model)
     if metadata is None:
         metadata = {"format": "pt"}  # what safetensors.torch and transformers write
-    if not (isinstance(metadata, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise TypeError("zrw.checkpoint.save_safetensors: metadata must be a dict of str to str, "
-                        f"got {metadata!r}")
+    if not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise TypeError(
+            "zrw.checkpoint.save_safetensors: metadata must be a dict of str to str, "
+            f"got {metadata!r}"
+        )
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -165,19 +186,28 @@ def save_safetensors(model: torch.nn.Module, path: "str | os.PathLike",
     for name in names:
         t = plan[name]
         if not isinstance(t, Tensor):
-            raise TypeError(f"zrw.checkpoint.save_safetensors: state-dict entry '{name}' must "
-                            f"be a tensor, got {type(t).__name__}")
+            raise TypeError(
+                f"zrw.checkpoint.save_safetensors: state-dict entry '{name}' must "
+                f"be a tensor, got {type(t).__name__}"
+            )
         if is_dtensor(t):
-            raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' is a DTensor (a "
-                            "sharded model); save it with torch.distributed.checkpoint")
+            raise TypeError(
+                f"zrw.checkpoint.save_safetensors: '{name}' is a DTensor (a "
+                "sharded model); save it with torch.distributed.checkpoint"
+            )
         if t.dtype not in _DTYPES:
-            raise TypeError(f"zrw.checkpoint.save_safetensors: '{name}' has dtype {t.dtype}, "
-                            f"which safetensors cannot hold (supported: "
-                            f"{', '.join(str(d) for d in _DTYPES)})")
+            raise TypeError(
+                f"zrw.checkpoint.save_safetensors: '{name}' has dtype {t.dtype}, "
+                f"which safetensors cannot hold (supported: "
+                f"{', '.join(str(d) for d in _DTYPES)})"
+            )
         _master(name, t)  # a released weight without a master: raises before any write
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned

@@ -20,6 +20,7 @@ of `zrw`; it should equal the BF16 bytes released (the theoretical 2 bytes per c
 The step's global peak is the larger of the two; the BF16-free step saves 2N there too, also
 when the optimizer step is the peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,12 @@ from zrw import cache, memory
 from zrw.optim import MasterWeights, attach
 
 MODES = ("bf16", "cache", "zrw-restore", "zrw")
-MODE_LABELS = {"bf16": "BF16", "cache": "MXFP8 cache, no release",
-               "zrw-restore": "zero-redundancy, restore at step (seed)",
-               "zrw": "zero-redundancy, BF16-free step"}
+MODE_LABELS = {
+    "bf16": "BF16",
+    "cache": "MXFP8 cache, no release",
+    "zrw-restore": "zero-redundancy, restore at step (seed)",
+    "zrw": "zero-redundancy, BF16-free step",
+}
 
 
 @dataclass
@@ -81,16 +85,30 @@ def build_model(kind: str, c: DemoConfig) -> torch.nn.Module:
 
     torch.manual_seed(c.seed)
     heads = max(1, c.hidden // 32)
-    common = dict(vocab_size=c.vocab, hidden_size=c.hidden, num_hidden_layers=c.layers,
-                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
-                  max_position_embeddings=max(256, c.seq), tie_word_embeddings=False)
+    common = dict(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        max_position_embeddings=max(256, c.seq),
+        tie_word_embeddings=False,
+    )
     if kind == "dense":
         model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=3 * c.hidden, **common))
     elif kind == "moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            intermediate_size=3 * c.hidden, moe_intermediate_size=c.hidden,
-            num_experts=c.experts, num_experts_per_tok=2, decoder_sparse_step=1,
-            norm_topk_prob=True, **common))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                intermediate_size=3 * c.hidden,
+                moe_intermediate_size=c.hidden,
+                num_experts=c.experts,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                norm_topk_prob=True,
+                **common,
+            )
+        )
     else:
         raise ValueError(f"zrw.demo: model must be 'dense' or 'moe', got {kind!r}")
     return model.to(torch.bfloat16)
@@ -116,10 +134,10 @@ def make_batches(c: DemoConfig, n: int) -> List[torch.Tensor]:
 class RunResult:
     mode: str
     losses: List[float] = field(default_factory=list)
-    window_peak: int = 0          # peak live bytes, first forward -> optimizer pre-hook (max)
-    optimizer_peak: int = 0       # peak live bytes during the optimizer step (max)
-    step_start: int = 0           # live bytes before the first forward of the last step
-    released_bytes: int = 0       # BF16 bytes released during the window (cache_stats)
+    window_peak: int = 0  # peak live bytes, first forward -> optimizer pre-hook (max)
+    optimizer_peak: int = 0  # peak live bytes during the optimizer step (max)
+    step_start: int = 0  # live bytes before the first forward of the last step
+    released_bytes: int = 0  # BF16 bytes released during the window (cache_stats)
     converted_bf16_bytes: int = 0  # 2 bytes per converted weight element (the theory's 2N)
     seconds_per_step: float = 0.0
     # (label, live bytes, FP8 cache bytes, BF16 bytes released) through the last step
@@ -127,18 +145,26 @@ class RunResult:
     final_weights_digest: float = 0.0
 
 
-def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
-             progress=None) -> RunResult:
+def run_mode(
+    kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor], progress=None
+) -> RunResult:
     model = build_model(kind, c)
     res = RunResult(mode)
     if mode != "bf16":
         summary = zrw.convert(model, c.recipe, release=(mode != "cache"))
         res.converted_bf16_bytes = sum(
-            p.numel() * p.element_size() for n, p in model.named_parameters()
-            if any(n.startswith(m + ".") for m in summary.converted))
+            p.numel() * p.element_size()
+            for n, p in model.named_parameters()
+            if any(n.startswith(m + ".") for m in summary.converted)
+        )
     model.train()
-    opt = MasterWeights(torch.optim.AdamW, model.parameters(), lr=c.lr, weight_decay=0.0,
-                        keep_released=(mode != "zrw-restore"))
+    opt = MasterWeights(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=c.lr,
+        weight_decay=0.0,
+        keep_released=(mode != "zrw-restore"),
+    )
 
     marks: Dict[str, int] = {}
     timeline: List[tuple] = []
@@ -167,11 +193,14 @@ def run_mode(kind: str, mode: str, c: DemoConfig, batches: List[torch.Tensor],
         memory.reset_peak()
 
     opt.register_step_pre_hook(step_start)
-    opt.register_step_post_hook(lambda o, a, k: (mark("optimizer step"),
-                                                 marks.__setitem__("opt_peak", memory.peak())))
+    opt.register_step_post_hook(
+        lambda o, a, k: (mark("optimizer step"), marks.__setitem__("opt_peak", memory.peak()))
+    )
     layers = model.model.layers
-    hooks = [layer.register_forward_hook(
-        lambda m, i, o, idx=idx: mark(f"fwd layer {idx}")) for idx, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o, idx=idx: mark(f"fwd layer {idx}"))
+        for idx, layer in enumerate(layers)
+    ]
 
     t_total = 0.0
     bi = 0
@@ -218,11 +247,13 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
     cache, zr = runs["cache"], runs["zrw"]
     saving = cache.window_peak - zr.window_peak
     theory = zr.converted_bf16_bytes
-    final = {m: sum(r.losses[-c.micro_batches:]) / c.micro_batches for m, r in runs.items()}
+    final = {m: sum(r.losses[-c.micro_batches :]) / c.micro_batches for m, r in runs.items()}
     released_modes = [m for m in MODES if m.startswith("zrw")]
     same = all(cache.losses == runs[m].losses for m in released_modes)
-    max_diff = max((abs(a - b) for m in released_modes
-                    for a, b in zip(cache.losses, runs[m].losses)), default=0.0)
+    max_diff = max(
+        (abs(a - b) for m in released_modes for a, b in zip(cache.losses, runs[m].losses)),
+        default=0.0,
+    )
     global_peak = {}
     for m, r in runs.items():
         where = "optimizer step" if r.optimizer_peak > r.window_peak else "forward/backward"
@@ -238,7 +269,8 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
         "loss_diff_release_on_off": max_diff,
         "losses_bitwise_equal_release_on_off": same,
         "weights_equal_release_on_off": all(
-            cache.final_weights_digest == runs[m].final_weights_digest for m in released_modes),
+            cache.final_weights_digest == runs[m].final_weights_digest for m in released_modes
+        ),
         "window_peak_bytes": {m: r.window_peak for m, r in runs.items()},
         "optimizer_peak_bytes": {m: r.optimizer_peak for m, r in runs.items()},
         "global_peak": global_peak,
@@ -249,10 +281,12 @@ def summarize(kind: str, runs: Dict[str, RunResult], c: DemoConfig) -> dict:
         "saving_vs_theory": saving / theory if theory else None,
         # Against cache-only, per zero-redundancy mode: the optimizer step's peak and the
         # step's global peak (the larger of window and optimizer step).
-        "optimizer_peak_saving_bytes": {m: cache.optimizer_peak - runs[m].optimizer_peak
-                                        for m in released_modes},
-        "global_peak_saving_bytes": {m: global_peak["cache"]["bytes"] - global_peak[m]["bytes"]
-                                     for m in released_modes},
+        "optimizer_peak_saving_bytes": {
+            m: cache.optimizer_peak - runs[m].optimizer_peak for m in released_modes
+        },
+        "global_peak_saving_bytes": {
+            m: global_peak["cache"]["bytes"] - global_peak[m]["bytes"] for m in released_modes
+        },
         "converted_elements": n_conv,
         "seconds_per_step": {m: r.seconds_per_step for m, r in runs.items()},
         "losses": {m: r.losses for m, r in runs.items()},
@@ -265,17 +299,34 @@ def _mib(b: float) -> str:
 
 
 def print_report(s: dict) -> None:
-    print(f"\n{s['model']} ({s['recipe']}, {s['steps']} steps x {s['micro_batches']} "
-          "micro-batches)")
-    header = ["mode", "final loss", "vs BF16", "fwd/bwd peak", "optimizer peak", "global peak",
-              "global saving", "s/step"]
+    print(
+        f"\n{s['model']} ({s['recipe']}, {s['steps']} steps x {s['micro_batches']} micro-batches)"
+    )
+    header = [
+        "mode",
+        "final loss",
+        "vs BF16",
+        "fwd/bwd peak",
+        "optimizer peak",
+        "global peak",
+        "global saving",
+        "s/step",
+    ]
     rows = []
     for m in MODES:
         gsave = s["global_peak_saving_bytes"].get(m)
-        rows.append([MODE_LABELS[m], f"{s['final_loss'][m]:.4f}",
-                     f"{s['loss_diff_to_bf16'][m]:+.4f}", _mib(s["window_peak_bytes"][m]),
-                     _mib(s["optimizer_peak_bytes"][m]), _mib(s["global_peak"][m]["bytes"]),
-                     "–" if gsave is None else _mib(gsave), f"{s['seconds_per_step'][m]:.2f}"])
+        rows.append(
+            [
+                MODE_LABELS[m],
+                f"{s['final_loss'][m]:.4f}",
+                f"{s['loss_diff_to_bf16'][m]:+.4f}",
+                _mib(s["window_peak_bytes"][m]),
+                _mib(s["optimizer_peak_bytes"][m]),
+                _mib(s["global_peak"][m]["bytes"]),
+                "–" if gsave is None else _mib(gsave),
+                f"{s['seconds_per_step'][m]:.2f}",
+            ]
+        )
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  " + "  ".join("-" * w for w in widths))
@@ -283,22 +334,31 @@ def print_report(s: dict) -> None:
         print("  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
     eq = "bit for bit" if s["losses_bitwise_equal_release_on_off"] else "DIFFERENT"
     print(f"  loss, release on vs off: max |diff| = {s['loss_diff_release_on_off']:.3g} ({eq})")
-    print(f"  BF16 bytes released: {_mib(s['bf16_bytes_released'])}; theory 2N: "
-          f"{_mib(s['theoretical_saving_2N_bytes'])}")
+    print(
+        f"  BF16 bytes released: {_mib(s['bf16_bytes_released'])}; theory 2N: "
+        f"{_mib(s['theoretical_saving_2N_bytes'])}"
+    )
     ratio = s["saving_vs_released"]
-    print(f"  measured fwd/bwd-window saving (cache - zrw): {_mib(s['measured_saving_bytes'])} "
-          f"= {100 * ratio:.2f}% of the bytes released" if ratio is not None else
-          "  nothing released")
+    print(
+        f"  measured fwd/bwd-window saving (cache - zrw): {_mib(s['measured_saving_bytes'])} "
+        f"= {100 * ratio:.2f}% of the bytes released"
+        if ratio is not None
+        else "  nothing released"
+    )
     gp = s["global_peak"]
-    print("  the step's global peak lies in the " + "; ".join(
-        f"{v['phase']} ({m})" for m, v in gp.items()))
+    print(
+        "  the step's global peak lies in the "
+        + "; ".join(f"{v['phase']} ({m})" for m, v in gp.items())
+    )
     theory = s["theoretical_saving_2N_bytes"]
     if theory:
         for m, v in s["global_peak_saving_bytes"].items():
             o = s["optimizer_peak_saving_bytes"][m]
-            print(f"  vs cache, {MODE_LABELS[m]}: global-peak saving {_mib(v)} = "
-                  f"{v / theory:.3f} x 2N; optimizer-step saving {_mib(o)} = "
-                  f"{o / theory:.3f} x 2N")
+            print(
+                f"  vs cache, {MODE_LABELS[m]}: global-peak saving {_mib(v)} = "
+                f"{v / theory:.3f} x 2N; optimizer-step saving {_mib(o)} = "
+                f"{o / theory:.3f} x 2N"
+            )
 
 
 def plot(summaries: List[dict], path: str) -> None:
@@ -311,13 +371,22 @@ def plot(summaries: List[dict], path: str) -> None:
 
     n = len(summaries)
     fig, axes = plt.subplots(3, n, figsize=(7.5 * n, 12), squeeze=False)
-    colors = {"bf16": "tab:gray", "cache": "tab:blue", "zrw-restore": "tab:orange",
-              "zrw": "tab:red"}
+    colors = {
+        "bf16": "tab:gray",
+        "cache": "tab:blue",
+        "zrw-restore": "tab:orange",
+        "zrw": "tab:red",
+    }
     for j, s in enumerate(summaries):
         ax = axes[0][j]
         for m in MODES:
-            ax.plot(s["losses"][m], label=MODE_LABELS[m], color=colors[m],
-                    linestyle="--" if m == "zrw" else "-", linewidth=1.2)
+            ax.plot(
+                s["losses"][m],
+                label=MODE_LABELS[m],
+                color=colors[m],
+                linestyle="--" if m == "zrw" else "-",
+                linewidth=1.2,
+            )
         ax.set_title(f"{s['model']} ({s['recipe']}): loss per micro-batch")
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("loss")
@@ -325,8 +394,11 @@ def plot(summaries: List[dict], path: str) -> None:
 
         tl = s["timeline"]["zrw"]
         labels = [t[0] for t in tl]
-        ticks = [i for i, lab in enumerate(labels)
-                 if not lab.startswith("fwd layer") or lab.endswith(" 0")]
+        ticks = [
+            i
+            for i, lab in enumerate(labels)
+            if not lab.startswith("fwd layer") or lab.endswith(" 0")
+        ]
 
         def xlabels(ax):
             ax.set_xticks(ticks)
@@ -336,13 +408,21 @@ def plot(summaries: List[dict], path: str) -> None:
         for m in MODES:
             t = s["timeline"][m]
             if t:
-                ax.step(range(len(t)), [x[1] / 2**20 for x in t], where="post",
-                        label=MODE_LABELS[m], color=colors[m])
+                ax.step(
+                    range(len(t)),
+                    [x[1] / 2**20 for x in t],
+                    where="post",
+                    label=MODE_LABELS[m],
+                    color=colors[m],
+                )
         xlabels(ax)
-        ax.set_title(f"{s['model']}: live CPU memory through one step (zrw.memory)\n"
-                     f"fwd/bwd window saving {_mib(s['measured_saving_bytes'])}, global-peak "
-                     f"saving {_mib(s['global_peak_saving_bytes']['zrw'])}, "
-                     f"BF16 released {_mib(s['bf16_bytes_released'])}", fontsize=10)
+        ax.set_title(
+            f"{s['model']}: live CPU memory through one step (zrw.memory)\n"
+            f"fwd/bwd window saving {_mib(s['measured_saving_bytes'])}, global-peak "
+            f"saving {_mib(s['global_peak_saving_bytes']['zrw'])}, "
+            f"BF16 released {_mib(s['bf16_bytes_released'])}",
+            fontsize=10,
+        )
         ax.set_ylabel("MiB live")
         ax.legend(fontsize=8)
 
@@ -350,13 +430,20 @@ def plot(summaries: List[dict], path: str) -> None:
         total = s["theoretical_saving_2N_bytes"]
         bf16_resident = [(total - x[3]) / 2**20 for x in tl]
         fp8 = [x[2] / 2**20 for x in tl]
-        ax.step(range(len(tl)), bf16_resident, where="post", color="tab:green",
-                label="BF16 weights resident")
+        ax.step(
+            range(len(tl)),
+            bf16_resident,
+            where="post",
+            color="tab:green",
+            label="BF16 weights resident",
+        )
         ax.step(range(len(tl)), fp8, where="post", color="tab:purple", label="FP8 cache")
         xlabels(ax)
-        ax.set_title(f"{s['model']}: weight lifecycle, BF16-free step\n(released at the first "
-                     "use, never restored; FP8 copies dropped at the optimizer step)",
-                     fontsize=10)
+        ax.set_title(
+            f"{s['model']}: weight lifecycle, BF16-free step\n(released at the first "
+            "use, never restored; FP8 copies dropped at the optimizer step)",
+            fontsize=10,
+        )
         ax.set_ylabel("MiB")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -373,8 +460,12 @@ def run(c: DemoConfig) -> List[dict]:
         try:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(kinds) * len(MODES) * c.steps, desc="zrw demo",
-                            unit="step", file=sys.stderr)
+            progress = tqdm(
+                total=len(kinds) * len(MODES) * c.steps,
+                desc="zrw demo",
+                unit="step",
+                file=sys.stderr,
+            )
         except ImportError:
             progress = None
     summaries = []
@@ -387,8 +478,9 @@ def run(c: DemoConfig) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="zrw-demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="zrw-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = DemoConfig()
     p.add_argument("--model", choices=["dense", "moe", "both"], default=d.model)
     p.add_argument("--recipe", choices=["mxfp8", "mxfp8-32x32"], default=d.recipe)
@@ -404,16 +496,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.steps < 1 or a.micro_batches < 1:
         p.error(f"--steps and --micro-batches must be >= 1, got {a.steps} and {a.micro_batches}")
-    c = DemoConfig(model=a.model, recipe=a.recipe, steps=a.steps, micro_batches=a.micro_batches,
-                   batch=a.batch, seq=a.seq, hidden=a.hidden, layers=a.layers, out=a.out,
-                   progress=not a.no_progress)
+    c = DemoConfig(
+        model=a.model,
+        recipe=a.recipe,
+        steps=a.steps,
+        micro_batches=a.micro_batches,
+        batch=a.batch,
+        seq=a.seq,
+        hidden=a.hidden,
+        layers=a.layers,
+        out=a.out,
+        progress=not a.no_progress,
+    )
     warnings.filterwarnings("ignore", category=UserWarning)
     summaries = run(c)
     os.makedirs(c.out, exist_ok=True)
     png = os.path.join(c.out, "demo.png")
     plot(summaries, png)
-    report = {"config": c.__dict__, "models": summaries, "png": png,
-              "torch": torch.__version__, "zrw": zrw.__version__}
+    report = {
+        "config": c.__dict__,
+        "models": summaries,
+        "png": png,
+        "torch": torch.__version__,
+        "zrw": zrw.__version__,
+    }
     with open(os.path.join(c.out, "demo.json"), "w") as f:
         json.dump(report, f)
     if a.json:

@@ -30,6 +30,7 @@ planes (`mx_weight`), any other use raises. zrw.fsdp imports no layer and no lay
 zrw.testing.shard_quantizations() counts the shard quantizations (once per weight and optimizer
 step).
 """
+
 from __future__ import annotations
 
 import threading
@@ -67,10 +68,20 @@ _boundary_handle = cache.register_boundary_callback(lambda opt: clear_shard_cach
 # Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,
 # moving). In-place optimizer math runs on the inner tensor and returns it.
 _PRESERVED = {
-    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default,
-    aten.slice.Tensor, aten.copy_.default, aten.view.default, aten.as_strided.default,
-    aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.clone.default, aten.detach.default, aten.alias.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.slice.Tensor,
+    aten.copy_.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
     aten.zeros_like.default,
 }
 
@@ -82,12 +93,17 @@ class PreQuantWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: Tensor, recipe: QuantRecipe, name: str, both_planes: bool = False):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
-            requires_grad=tensor.requires_grad)
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
 
-    def __init__(self, tensor: Tensor, recipe: QuantRecipe, name: str,
-                 both_planes: bool = False):
+    def __init__(self, tensor: Tensor, recipe: QuantRecipe, name: str, both_planes: bool = False):
         self._tensor = tensor
         self._mx_recipe = recipe
         self._mx_name = name
@@ -97,8 +113,10 @@ class PreQuantWeight(torch.Tensor):
         _live.add(self)
 
     def __repr__(self) -> str:
-        return (f"PreQuantWeight({self._mx_name!r}, recipe={self._mx_recipe.name}, "
-                f"shard={tuple(self._tensor.shape)}, {self._tensor.dtype})")
+        return (
+            f"PreQuantWeight({self._mx_name!r}, recipe={self._mx_recipe.name}, "
+            f"shard={tuple(self._tensor.shape)}, {self._tensor.dtype})"
+        )
 
     def __tensor_flatten__(self):
         return ["_tensor"], (self._mx_recipe, self._mx_name, self._mx_both_planes)
@@ -155,11 +173,13 @@ class PreQuantWeight(torch.Tensor):
         shard = self._tensor.detach().to(param_dtype)
         if rcp.block_32x32:
             data, block = ops.mx_quantize_block(shard, rcp.elem_dtype, rcp.scale_mode)
-            q = planes.MXWeight(rcp.cache_layout, planes.MXPlane(data, None),
-                                planes.MXPlane(data, None), block)
+            q = planes.MXWeight(
+                rcp.cache_layout, planes.MXPlane(data, None), planes.MXPlane(data, None), block
+            )
         else:
             q = planes.MXWeight.from_tensors(
-                rcp.cache_layout, list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode)))
+                rcp.cache_layout, list(ops.mx_quantize_dual(shard, rcp.elem_dtype, rcp.scale_mode))
+            )
         with _lock:
             _stats["shard_quantizations"] += 1
         self._mx_planes = (step, str(param_dtype), q)
@@ -179,14 +199,15 @@ class PreQuantWeight(torch.Tensor):
         if not self._whole_blocks(outer_size, world):
             if not self._mx_warned:
                 names = getattr(mesh, "mesh_dim_names", None)
-                over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else \
-                    f"{world} ranks"
+                over = f"mesh dimension '{names[0]}' ({world} ranks)" if names else f"{world} ranks"
                 warnings.warn(
                     f"zrw.fsdp: weight '{self._mx_name}' of shape {tuple(outer_size)} does not "
                     f"shard into whole 32-row blocks over {over}: it is all-gathered in "
                     f"{param_dtype} and quantized after the gather (correct, but not "
                     "zero-redundancy for this weight; the fix: a data-parallel degree that "
-                    "splits its rows into multiples of 32)", stacklevel=2)
+                    "splits its rows into multiples of 32)",
+                    stacklevel=2,
+                )
                 self._mx_warned = True
             shard = self._tensor.detach().to(param_dtype)
             padded_rows = -(-outer_size[0] // world)
@@ -199,8 +220,9 @@ class PreQuantWeight(torch.Tensor):
             # A group of one rank (e.g. the experts' FSDP dimension when EP spans the DP
             # ranks): FSDP2 2.13 then copies only the first all-gather input, so every plane
             # travels packed in one uint8 buffer (which FSDP2 frees at reshard like a gather's).
-            pieces = [q.fwd.data, q.block_scale] if self._mx_recipe.block_32x32 else \
-                [*q.fwd, *q.bwd]
+            pieces = (
+                [q.fwd.data, q.block_scale] if self._mx_recipe.block_32x32 else [*q.fwd, *q.bwd]
+            )
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in pieces])
             return (flat,), ("packed", tuple(outer_size), [tuple(t.shape) for t in pieces])
         if self._mx_recipe.block_32x32:
@@ -218,8 +240,13 @@ class PreQuantWeight(torch.Tensor):
             flat = scale.reshape(-1).view(torch.uint8)
             if flat.numel() < width:
                 flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
-            meta = ("bwd" if bwd else "fwd", tuple(outer_size), tuple(scale.shape), world,
-                    q.fwd.scale.numel() != q.bwd.scale.numel())
+            meta = (
+                "bwd" if bwd else "fwd",
+                tuple(outer_size),
+                tuple(scale.shape),
+                world,
+                q.fwd.scale.numel() != q.bwd.scale.numel(),
+            )
             return (data.view(torch.uint8), flat), meta
         return tuple(t.view(torch.uint8) for t in inputs), (phase, tuple(outer_size))
 
@@ -239,7 +266,8 @@ class PreQuantWeight(torch.Tensor):
                 w = _block_planes(rcp, data, block, outer_size)
             else:
                 w = planes.MXWeight.from_tensors(
-                    rcp.cache_layout, list(ops.mx_quantize_dual(full, elem, rcp.scale_mode)))
+                    rcp.cache_layout, list(ops.mx_quantize_dual(full, elem, rcp.scale_mode))
+                )
             inner = list(w.tensors())
         elif phase == "packed":
             (flat,) = all_gather_outputs
@@ -248,7 +276,7 @@ class PreQuantWeight(torch.Tensor):
                 n = 1
                 for d in shape:
                     n *= d
-                views.append(flat[at:at + n].view(elem if i % 2 == 0 else e8).view(shape))
+                views.append(flat[at : at + n].view(elem if i % 2 == 0 else e8).view(shape))
                 at += n
             if rcp.block_32x32:
                 w = _block_planes(rcp, views[0], views[1], outer_size)
@@ -261,8 +289,11 @@ class PreQuantWeight(torch.Tensor):
             inner = [w.fwd.scale, w.bwd.scale]
         elif phase == "both":
             df, sf, db, sb = all_gather_outputs
-            w = planes.MXWeight(rcp.cache_layout, planes.MXPlane(df.view(elem), sf.view(e8)),
-                                planes.MXPlane(db.view(elem), sb.view(e8)))
+            w = planes.MXWeight(
+                rcp.cache_layout,
+                planes.MXPlane(df.view(elem), sf.view(e8)),
+                planes.MXPlane(db.view(elem), sb.view(e8)),
+            )
         else:
             data, flat = all_gather_outputs
             local_shape, world = metadata[2], metadata[3]
@@ -293,8 +324,9 @@ class PreQuantWeight(torch.Tensor):
             w = planes.MXWeight(rcp.cache_layout, fwd, bwd)
         if out is not None:
             prev = out._mx_state["planes"]
-            if prev is not None and (phase in ("fallback", "block") or (
-                    phase == "packed" and rcp.block_32x32)):
+            if prev is not None and (
+                phase in ("fallback", "block") or (phase == "packed" and rcp.block_32x32)
+            ):
                 # fallback: the planes quantized after a BF16 gather are the inner tensors FSDP2
                 # got the first time: it re-allocated them and frees them at reshard. Refill in
                 # place, or fresh copies would outlive every reshard. block: the same for the
@@ -302,21 +334,22 @@ class PreQuantWeight(torch.Tensor):
                 w = _refill(prev, w, data=phase == "fallback")
             out._set_planes(w, phase)
             return None
-        g = MXGatheredWeight(torch.Size(outer_size), param_dtype, self.device, self._mx_recipe,
-                             self._mx_name)
+        g = MXGatheredWeight(
+            torch.Size(outer_size), param_dtype, self.device, self._mx_recipe, self._mx_name
+        )
         g._set_planes(w, phase)
         if phase in ("fwd", "bwd"):
             g._mx_state["scale_buf"] = inner[0] if inner else None
         return g, tuple(inner)
 
 
-def _block_planes(recipe: QuantRecipe, data: Tensor, block: Tensor,
-                  outer_size) -> planes.MXWeight:
+def _block_planes(recipe: QuantRecipe, data: Tensor, block: Tensor, outer_size) -> planes.MXWeight:
     """A 32x32 weight's planes: one data tensor, the block scale expanded along K and along N."""
     return planes.MXWeight(
         recipe.cache_layout,
         planes.MXPlane(data, ops.expand_block_scale(block, outer_size, -1).contiguous()),
-        planes.MXPlane(data, ops.expand_block_scale(block, outer_size, -2).contiguous()))
+        planes.MXPlane(data, ops.expand_block_scale(block, outer_size, -2).contiguous()),
+    )
 
 
 def _refill(prev: planes.MXWeight, new: planes.MXWeight, data: bool) -> planes.MXWeight:
@@ -333,8 +366,9 @@ def _refill(prev: planes.MXWeight, new: planes.MXWeight, data: bool) -> planes.M
     def plane(old: planes.MXPlane, p: planes.MXPlane) -> planes.MXPlane:
         return planes.MXPlane(into(old.data, p.data) if data else p.data, into(old.scale, p.scale))
 
-    return planes.MXWeight(new.recipe, plane(prev.fwd, new.fwd), plane(prev.bwd, new.bwd),
-                           new.block_scale)
+    return planes.MXWeight(
+        new.recipe, plane(prev.fwd, new.fwd), plane(prev.bwd, new.bwd), new.block_scale
+    )
 
 
 class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
@@ -347,8 +381,9 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     @staticmethod
     def __new__(cls, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
-        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device,
-                                                   requires_grad=requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, size, dtype=dtype, device=device, requires_grad=requires_grad
+        )
 
     def __init__(self, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
         self._mx_recipe = recipe
@@ -365,8 +400,10 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
         self._mx_state["phase"] = phase
 
     def __repr__(self) -> str:
-        return (f"MXGatheredWeight({self._mx_name!r}, {tuple(self.shape)}, "
-                f"recipe={self._mx_recipe.name}, gathered={self._mx_state['phase']})")
+        return (
+            f"MXGatheredWeight({self._mx_name!r}, {tuple(self.shape)}, "
+            f"recipe={self._mx_recipe.name}, gathered={self._mx_state['phase']})"
+        )
 
     @property
     def zrw_name(self) -> str:
@@ -381,7 +418,8 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
                 f"zrw.fsdp: weight '{self._mx_name}' was all-gathered with only its "
                 f"{self._mx_state['phase']} plane, but the {need} plane is needed now: activation "
                 "recompute or fully_shard(reshard_after_forward=False) need both planes — call "
-                "zrw.fsdp.prepare(model, both_planes=True)")
+                "zrw.fsdp.prepare(model, both_planes=True)"
+            )
         return w
 
     @classmethod
@@ -390,8 +428,13 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
         src = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, cls))
         # FSDP2 re-views the unsharded tensor (as_strided to the original size) and autograd
         # detaches it into an nn.Parameter: shape-preserving aliases share the planes.
-        if func in (aten.detach.default, aten.alias.default, aten.view.default,
-                    aten.as_strided.default, aten._unsafe_view.default):
+        if func in (
+            aten.detach.default,
+            aten.alias.default,
+            aten.view.default,
+            aten.as_strided.default,
+            aten._unsafe_view.default,
+        ):
             shape = func(torch.empty(src.shape, device="meta"), *args[1:], **kwargs).shape
             if shape == src.shape:
                 g = cls(src.shape, src.dtype, src.device, src._mx_recipe, src._mx_name)
@@ -400,7 +443,8 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
         raise RuntimeError(
             f"zrw.fsdp: {func} on the gathered weight '{src._mx_name}': under zrw's FSDP2 "
             "all-gather the unsharded weight exists only as its MXFP8 planes (no BF16 copy is "
-            "ever materialized); only zrw layers can use it")
+            "ever materialized); only zrw layers can use it"
+        )
 
 
 def _fsdp_managed(model: nn.Module) -> bool:
@@ -431,8 +475,9 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
     rows follow the 1-D rule (whole 32-row blocks per rank, else a BF16 gather with a warning).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"zrw.fsdp.prepare: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"zrw.fsdp.prepare: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     managed = _fsdp_managed(model)
     n = 0
     for mname, mod in model.named_modules():
@@ -444,24 +489,30 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
             p = getattr(mod, pname)
             qual = f"{mname}.{pname}" if mname else pname
             if isinstance(p, PreQuantWeight) or (
-                    is_dtensor(p) and isinstance(p._local_tensor, PreQuantWeight)):
+                is_dtensor(p) and isinstance(p._local_tensor, PreQuantWeight)
+            ):
                 continue
             if is_dtensor(p.data) and managed:
                 raise RuntimeError(
                     f"zrw.fsdp.prepare: parameter '{mname}.{pname}' is already sharded (a "
                     "DTensor): call prepare(model) after zrw.convert and before fully_shard — "
-                    "FSDP2 looks up the all-gather extension when it shards a parameter")
+                    "FSDP2 looks up the all-gather extension when it shards a parameter"
+                )
             if is_dtensor(p):
                 # Tensor parallelism first (the 2-D layout): FSDP2 will shard the local shard.
                 check_placements(p, qual)
                 inner = PreQuantWeight(p._local_tensor.detach(), recipe, qual, both_planes)
-                value = _dtensor_cls().from_local(inner, p.device_mesh, p.placements,
-                                                  run_check=False, shape=p.shape,
-                                                  stride=p.stride())
+                value = _dtensor_cls().from_local(
+                    inner,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
             else:
                 value = PreQuantWeight(p.data, recipe, qual, both_planes)
             wrapped = nn.Parameter(value, requires_grad=p.requires_grad)
             setattr(mod, pname, wrapped)
             n += 1
     return n
-

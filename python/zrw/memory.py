@@ -7,6 +7,7 @@ blocks allocated earlier are invisible to it, and so are their frees. RSS is too
 and the CPU profiler does not see frees of earlier blocks either. Fault injection on this
 allocator (failing allocations on demand) is a test instrument: zrw.testing.fail_allocations.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,4 +62,3 @@ def window() -> Iterator[dict]:
     finally:
         out["end"] = current()
         out["peak"] = peak()
-

@@ -11,6 +11,7 @@ quantize, cache, release the BF16 storage) and the restores `restore(w, fill)` /
 `restore_all(fill)`, are reachable here as the design names them (docs/design.md §4): they are
 zrw.cache's own functions, bound into this module by the zrw package (see zrw/__init__.py).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -28,8 +29,12 @@ SCALE_MODES = tuple(_C.scale_modes())  # one source: csrc/common/names.h
 # Argument types, read from each op's schema: a None or a wrong-typed argument gets a TypeError
 # naming it here, instead of the dispatcher's message (which for a None tensor names neither
 # the argument nor the op). Dtypes, shapes and values are the C++ checks' (csrc/common/checks.h).
-_KINDS = {"Tensor": (Tensor, "a torch.Tensor"), "int": (numbers.Integral, "an int"),
-          "ScalarType": (torch.dtype, "a torch.dtype"), "str": (str, "a str")}
+_KINDS = {
+    "Tensor": (Tensor, "a torch.Tensor"),
+    "int": (numbers.Integral, "an int"),
+    "ScalarType": (torch.dtype, "a torch.dtype"),
+    "str": (str, "a str"),
+}
 
 
 def _signature(op: str):
@@ -103,8 +108,11 @@ def mx_quantize_block(
 
 
 def mx_quantize_from_master(
-    master: Tensor, dim: int = -1, param_dtype: torch.dtype = torch.bfloat16,
-    elem_dtype: torch.dtype = E4M3, scale_mode: str = "floor",
+    master: Tensor,
+    dim: int = -1,
+    param_dtype: torch.dtype = torch.bfloat16,
+    elem_dtype: torch.dtype = E4M3,
+    scale_mode: str = "floor",
 ) -> Tuple[Tensor, Tensor]:
     """mx_quantize(master.to(param_dtype), dim, elem_dtype, scale_mode), without the cast.
 
@@ -119,11 +127,14 @@ def mx_quantize_from_master(
     """
     _check_types(_QUANTIZE_FROM_MASTER, master, dim, param_dtype, elem_dtype, scale_mode)
     return torch.ops.zrw.mx_quantize_from_master.default(
-        master, dim, param_dtype, elem_dtype, scale_mode)
+        master, dim, param_dtype, elem_dtype, scale_mode
+    )
 
 
 def mx_quantize_dual_from_master(
-    master: Tensor, param_dtype: torch.dtype = torch.bfloat16, elem_dtype: torch.dtype = E4M3,
+    master: Tensor,
+    param_dtype: torch.dtype = torch.bfloat16,
+    elem_dtype: torch.dtype = E4M3,
     scale_mode: str = "floor",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """mx_quantize_dual(master.to(param_dtype), elem_dtype, scale_mode), without the cast.
@@ -136,11 +147,14 @@ def mx_quantize_dual_from_master(
     """
     _check_types(_QUANTIZE_DUAL_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
     return torch.ops.zrw.mx_quantize_dual_from_master.default(
-        master, param_dtype, elem_dtype, scale_mode)
+        master, param_dtype, elem_dtype, scale_mode
+    )
 
 
 def mx_quantize_block_from_master(
-    master: Tensor, param_dtype: torch.dtype = torch.bfloat16, elem_dtype: torch.dtype = E4M3,
+    master: Tensor,
+    param_dtype: torch.dtype = torch.bfloat16,
+    elem_dtype: torch.dtype = E4M3,
     scale_mode: str = "floor",
 ) -> Tuple[Tensor, Tensor]:
     """mx_quantize_block(master.to(param_dtype), elem_dtype, scale_mode), without the cast.
@@ -153,7 +167,8 @@ def mx_quantize_block_from_master(
     """
     _check_types(_QUANTIZE_BLOCK_FROM_MASTER, master, param_dtype, elem_dtype, scale_mode)
     return torch.ops.zrw.mx_quantize_block_from_master.default(
-        master, param_dtype, elem_dtype, scale_mode)
+        master, param_dtype, elem_dtype, scale_mode
+    )
 
 
 def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:
@@ -165,20 +180,27 @@ def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:
     tensor serves both directions unchanged. Wrong shapes, dtypes or dims raise.
     """
     if not isinstance(block_scale, Tensor):
-        raise TypeError(f"expand_block_scale: block_scale must be a torch.Tensor, got "
-                        f"{type(block_scale).__name__}")
+        raise TypeError(
+            f"expand_block_scale: block_scale must be a torch.Tensor, got "
+            f"{type(block_scale).__name__}"
+        )
     try:
         shape = tuple(int(d) for d in shape)
     except TypeError:
-        raise TypeError(f"expand_block_scale: shape must be a sequence of ints, got "
-                        f"{shape!r}") from None
+        raise TypeError(
+            f"expand_block_scale: shape must be a sequence of ints, got {shape!r}"
+        ) from None
     if len(shape) not in (2, 3) or len(shape) != block_scale.dim():
-        raise ValueError(f"expand_block_scale: shape must be the 2-d (N, K) or 3-d (E, N, K) "
-                         f"shape of the weight whose block_scale (shape "
-                         f"{tuple(block_scale.shape)}) this is, got {shape}")
+        raise ValueError(
+            f"expand_block_scale: shape must be the 2-d (N, K) or 3-d (E, N, K) "
+            f"shape of the weight whose block_scale (shape "
+            f"{tuple(block_scale.shape)}) this is, got {shape}"
+        )
     if shape[:-2] != tuple(block_scale.shape[:-2]):
-        raise ValueError(f"expand_block_scale: block_scale's leading dims "
-                         f"{tuple(block_scale.shape[:-2])} must equal shape's {shape[:-2]}")
+        raise ValueError(
+            f"expand_block_scale: block_scale's leading dims "
+            f"{tuple(block_scale.shape[:-2])} must equal shape's {shape[:-2]}"
+        )
     return mx_expand_block_scale(block_scale, shape[-2], shape[-1], dim)
 
 

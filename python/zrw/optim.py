@@ -19,6 +19,7 @@ passed to `step()` runs under zrw.no_release(); after `step()`, `next_step()`.
 Every optimizer in the process is guarded: one that would step a released weight without a
 zrw boundary raises before it touches its state.
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,11 +58,15 @@ def _params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 def _as_group_list(params: Any) -> List[Dict[str, Any]]:
     """`params` as torch.optim.Optimizer accepts them, as a list of group dicts."""
     if isinstance(params, torch.Tensor):
-        raise TypeError("MasterWeights: params must be an iterable of tensors or of param-group "
-                        f"dicts, got a single {type(params).__name__}")
+        raise TypeError(
+            "MasterWeights: params must be an iterable of tensors or of param-group "
+            f"dicts, got a single {type(params).__name__}"
+        )
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
-        raise TypeError("MasterWeights: params must be an iterable of tensors or of param-group "
-                        f"dicts (e.g. model.parameters()), got {type(params).__name__}")
+        raise TypeError(
+            "MasterWeights: params must be an iterable of tensors or of param-group "
+            f"dicts (e.g. model.parameters()), got {type(params).__name__}"
+        )
     groups = list(params)
     if not groups:
         raise ValueError("MasterWeights: got an empty parameter list")
@@ -70,29 +75,33 @@ def _as_group_list(params: Any) -> List[Dict[str, Any]]:
     out = []
     for gi, g in enumerate(groups):
         if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"MasterWeights: param group {gi} must be a dict with 'params' (as "
-                            f"group 0 is), got {type(g).__name__}"
-                            + (f" with keys {sorted(map(str, g))}" if isinstance(g, dict) else ""))
+            raise TypeError(
+                f"MasterWeights: param group {gi} must be a dict with 'params' (as "
+                f"group 0 is), got {type(g).__name__}"
+                + (f" with keys {sorted(map(str, g))}" if isinstance(g, dict) else "")
+            )
         g = dict(g)
         ps = g["params"]
-        if (not isinstance(ps, torch.Tensor)
-                and (isinstance(ps, (str, bytes, dict)) or not isinstance(ps, Iterable))):
-            raise TypeError(f"MasterWeights: param group {gi}'s 'params' must be a tensor or an "
-                            f"iterable of tensors, got {type(ps).__name__}")
+        if not isinstance(ps, torch.Tensor) and (
+            isinstance(ps, (str, bytes, dict)) or not isinstance(ps, Iterable)
+        ):
+            raise TypeError(
+                f"MasterWeights: param group {gi}'s 'params' must be a tensor or an "
+                f"iterable of tensors, got {type(ps).__name__}"
+            )
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         for pi, p in enumerate(g["params"]):
             if not isinstance(p, torch.Tensor):
-                where = f"params[{pi}]" if len(groups) == 1 else \
-                    f"param_groups[{gi}]['params'][{pi}]"
-                raise TypeError(f"MasterWeights: {where} must be a tensor, got "
-                                f"{type(p).__name__}")
+                where = (
+                    f"params[{pi}]" if len(groups) == 1 else f"param_groups[{gi}]['params'][{pi}]"
+                )
+                raise TypeError(f"MasterWeights: {where} must be a tensor, got {type(p).__name__}")
         out.append(g)
     _refuse_duplicates(out)
     return out
 
 
-def _refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, str]] = None
-                       ) -> None:
+def _refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, str]] = None) -> None:
     """A parameter listed twice would get two FP32 masters, and the one written back last
     would win: refused (torch warns within a group and refuses across groups)."""
     seen = {} if seen is None else dict(seen)
@@ -103,7 +112,8 @@ def _refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, st
                 raise ValueError(
                     f"MasterWeights: {where} (shape {tuple(p.shape)}) is the same parameter as "
                     f"{seen[id(p)]}: each parameter must be listed once (one FP32 master per "
-                    "parameter); pass model.parameters() or de-duplicate the list")
+                    "parameter); pass model.parameters() or de-duplicate the list"
+                )
             seen[id(p)] = where
 
 
@@ -145,29 +155,46 @@ class MasterWeights(torch.optim.Optimizer):
     restores a released weight exactly mid-step.
     """
 
-    def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer], params: Iterable,
-                 *, keep_released: bool = True, max_grad_norm: Optional[float] = None,
-                 **kwargs: Any):
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
-                max_grad_norm, (int, float)) or not max_grad_norm > 0):
-            raise ValueError(f"MasterWeights: max_grad_norm must be a positive number or None, "
-                             f"got {max_grad_norm!r}")
+    def __init__(
+        self,
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
+        params: Iterable,
+        *,
+        keep_released: bool = True,
+        max_grad_norm: Optional[float] = None,
+        **kwargs: Any,
+    ):
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, (int, float))
+            or not max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"MasterWeights: max_grad_norm must be a positive number or None, "
+                f"got {max_grad_norm!r}"
+            )
         if isinstance(optimizer_cls, torch.optim.Optimizer):
-            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
-                            f"subclass (it is built over the FP32 masters), got an instance of "
-                            f"{type(optimizer_cls).__name__}: pass the class and its arguments")
-        if isinstance(optimizer_cls, type) and not issubclass(optimizer_cls,
-                                                               torch.optim.Optimizer):
-            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
-                            f"subclass (or a callable that returns an optimizer), got the class "
-                            f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}")
+            raise TypeError(
+                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"subclass (it is built over the FP32 masters), got an instance of "
+                f"{type(optimizer_cls).__name__}: pass the class and its arguments"
+            )
+        if isinstance(optimizer_cls, type) and not issubclass(optimizer_cls, torch.optim.Optimizer):
+            raise TypeError(
+                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"subclass (or a callable that returns an optimizer), got the class "
+                f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}"
+            )
         if not callable(optimizer_cls):
-            raise TypeError(f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
-                            f"subclass (or a callable that returns an optimizer), got "
-                            f"{type(optimizer_cls).__name__} {optimizer_cls!r}")
+            raise TypeError(
+                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"subclass (or a callable that returns an optimizer), got "
+                f"{type(optimizer_cls).__name__} {optimizer_cls!r}"
+            )
         if not isinstance(keep_released, bool):
-            raise TypeError(f"MasterWeights: keep_released must be a bool, got "
-                            f"{type(keep_released).__name__}")
+            raise TypeError(
+                f"MasterWeights: keep_released must be a bool, got {type(keep_released).__name__}"
+            )
         groups = _as_group_list(params)
         self.optimizer_cls = optimizer_cls
         self.keep_released = keep_released
@@ -184,8 +211,10 @@ class MasterWeights(torch.optim.Optimizer):
             inner_groups.append({**_hyper(g), "params": masters})
         self.inner = optimizer_cls(inner_groups, **kwargs)
         if not isinstance(self.inner, torch.optim.Optimizer):
-            raise TypeError(f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
-                            f"torch.optim.Optimizer, got {type(self.inner).__name__}")
+            raise TypeError(
+                f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
+                f"torch.optim.Optimizer, got {type(self.inner).__name__}"
+            )
         # The outer groups take the inner optimizer's defaults (lr, betas, ...), so that what a
         # scheduler reads and writes is there; their params are the model's.
         super().__init__(groups, dict(self.inner.defaults))
@@ -204,11 +233,14 @@ class MasterWeights(torch.optim.Optimizer):
         masters = []
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"MasterWeights: params[{i}] must be a tensor, got "
-                                f"{type(p).__name__}")
+                raise TypeError(
+                    f"MasterWeights: params[{i}] must be a tensor, got {type(p).__name__}"
+                )
             if not p.is_floating_point():
-                raise TypeError(f"MasterWeights: parameters must be floating point, got "
-                                f"{p.dtype} (params[{i}], shape {tuple(p.shape)})")
+                raise TypeError(
+                    f"MasterWeights: parameters must be floating point, got "
+                    f"{p.dtype} (params[{i}], shape {tuple(p.shape)})"
+                )
             local = local_tensor(p)
             if cache.cache_state(local).released:
                 m = cache.master_of(local)
@@ -218,7 +250,8 @@ class MasterWeights(torch.optim.Optimizer):
                         f"{tuple(p.shape)}) is released and has no FP32 master (a frozen weight "
                         "released for good keeps only its MXFP8 copy): its exact value is gone. "
                         "Build the optimizer before the weight's first training forward, or "
-                        "call zrw.cache.restore_frozen(model) first (lossy)")
+                        "call zrw.cache.restore_frozen(model) first (lossy)"
+                    )
                 with torch.no_grad():  # the weight holds m.to(p.dtype): that, in FP32
                     value = m.detach().to(p.dtype).to(torch.float32)
                 masters.append(wrap_like(p, value))
@@ -325,7 +358,8 @@ class MasterWeights(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"MasterWeights: parameter '{cache.weight_name(p) or tuple(m.shape)}' "
                         f"changed shape from {tuple(m.shape)} to {tuple(p.shape)} after the "
-                        "optimizer was built; build a new optimizer for the new parameters")
+                        "optimizer was built; build a new optimizer for the new parameters"
+                    )
                 n += cache.take_into_master(m, p)
         return n
 
@@ -427,8 +461,11 @@ class MasterWeights(torch.optim.Optimizer):
         # shard of its DTensor master.
         digests = None
         try:
-            digests = cache.write_back([local_tensor(p) for p in params],
-                                       [local_tensor(m) for m in masters], self.keep_released)
+            digests = cache.write_back(
+                [local_tensor(p) for p in params],
+                [local_tensor(m) for m in masters],
+                self.keep_released,
+            )
         finally:
             self._record_written(digests)
 
@@ -484,8 +521,10 @@ class MasterWeights(torch.optim.Optimizer):
         parameter that gets no gradient in the next backward is stepped with a zero gradient,
         as torch's optimizer steps it)."""
         if not isinstance(set_to_none, bool):
-            raise TypeError(f"MasterWeights.zero_grad: set_to_none must be a bool, got "
-                            f"{type(set_to_none).__name__}")
+            raise TypeError(
+                f"MasterWeights.zero_grad: set_to_none must be a bool, got "
+                f"{type(set_to_none).__name__}"
+            )
         for group in self.param_groups:
             for p in group["params"]:
                 if getattr(p, "main_grad", None) is not None:
@@ -590,26 +629,38 @@ class MasterWeights(torch.optim.Optimizer):
                 if result is not None:
                     state_dict = result
         if not isinstance(state_dict, dict) or not {"inner", "masters"} <= set(state_dict):
-            raise ValueError(f"{op}: expected a dict with 'inner' and 'masters' (from "
-                             f"MasterWeights.state_dict), got "
-                             + (f"{sorted(state_dict)}" if isinstance(state_dict, dict)
-                                else type(state_dict).__name__))
+            raise ValueError(
+                f"{op}: expected a dict with 'inner' and 'masters' (from "
+                f"MasterWeights.state_dict), got "
+                + (
+                    f"{sorted(state_dict)}"
+                    if isinstance(state_dict, dict)
+                    else type(state_dict).__name__
+                )
+            )
         saved, inner_sd = state_dict["masters"], state_dict["inner"]
         ours = [len(ms) for ms in self.masters]
         if [len(ms) for ms in saved] != ours:
-            raise ValueError(f"{op}: masters per group must be {ours}, got "
-                             f"{[len(ms) for ms in saved]}")
+            raise ValueError(
+                f"{op}: masters per group must be {ours}, got {[len(ms) for ms in saved]}"
+            )
         for gi, (ms, ss) in enumerate(zip(self.masters, saved)):
             for pi, (m, s) in enumerate(zip(ms, ss)):
                 if not isinstance(s, torch.Tensor) or m.shape != s.shape:
                     found = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-                    raise ValueError(f"{op}: master {pi} of group {gi} has shape "
-                                     f"{tuple(m.shape)}, got a saved tensor of shape {found}")
+                    raise ValueError(
+                        f"{op}: master {pi} of group {gi} has shape "
+                        f"{tuple(m.shape)}, got a saved tensor of shape {found}"
+                    )
         inner_groups = inner_sd.get("param_groups") if isinstance(inner_sd, dict) else None
-        if (not isinstance(inner_groups, list)
-                or [len(g.get("params", ())) for g in inner_groups] != ours):
-            raise ValueError(f"{op}: the inner optimizer's state must have {ours} parameters "
-                             "per group, like the masters")
+        if (
+            not isinstance(inner_groups, list)
+            or [len(g.get("params", ())) for g in inner_groups] != ours
+        ):
+            raise ValueError(
+                f"{op}: the inner optimizer's state must have {ours} parameters "
+                "per group, like the masters"
+            )
         # torch's load_state_dict checks the same structure before it changes anything, then
         # swaps its state in at once; the masters are copied only after it succeeded.
         self.inner.load_state_dict(inner_sd)
@@ -635,14 +686,31 @@ class AdamW(MasterWeights):
     groups with and without weight decay), `optimizers=(zrw.optim.AdamW(model.parameters()),
     None)`, accelerate's `prepare`. torch's defaults (lr 1e-3, weight_decay 1e-2)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 keep_released: bool = True, max_grad_norm: Optional[float] = None,
-                 **kwargs: Any):
-        super().__init__(torch.optim.AdamW, params, keep_released=keep_released,
-                         max_grad_norm=max_grad_norm, lr=lr,
-                         betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         **kwargs)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        keep_released: bool = True,
+        max_grad_norm: Optional[float] = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            torch.optim.AdamW,
+            params,
+            keep_released=keep_released,
+            max_grad_norm=max_grad_norm,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            **kwargs,
+        )
         attach(self)
 
 
@@ -663,8 +731,9 @@ def _wrap_closure(args, kwargs):
     return (args[0], no_release_closure, *args[2:]), kwargs
 
 
-def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
-           own_masters: bool = False) -> torch.optim.Optimizer:
+def attach(
+    optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *, own_masters: bool = False
+) -> torch.optim.Optimizer:
     """Install the zero-redundancy boundary on `optimizer`; returns it.
 
     Before `step()`: the boundary callbacks; then, for an optimizer that steps the parameters
@@ -688,34 +757,47 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     restores and `state_dict()` read it exactly. `fill` must be None then.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zrw.optim.attach: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"zrw.optim.attach: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
     if fill is not None and not isinstance(fill, str):
-        raise TypeError(f"zrw.optim.attach: fill must be None or a str, one of {cache.FILLS}, "
-                        f"got {type(fill).__name__}")
+        raise TypeError(
+            f"zrw.optim.attach: fill must be None or a str, one of {cache.FILLS}, "
+            f"got {type(fill).__name__}"
+        )
     if fill is not None and fill not in cache.FILLS:
         raise ValueError(f"zrw.optim.attach: fill must be one of {cache.FILLS}, got {fill!r}")
     if not isinstance(own_masters, bool):
-        raise TypeError(f"zrw.optim.attach: own_masters must be a bool, got "
-                        f"{type(own_masters).__name__}")
+        raise TypeError(
+            f"zrw.optim.attach: own_masters must be a bool, got {type(own_masters).__name__}"
+        )
     if own_masters and fill is not None:
-        raise ValueError(f"zrw.optim.attach: with own_masters=True the optimizer writes its "
-                         f"masters back itself (zrw.cache.assign_weights) and nothing is "
-                         f"restored before its step, so fill must be None, got {fill!r}")
+        raise ValueError(
+            f"zrw.optim.attach: with own_masters=True the optimizer writes its "
+            f"masters back itself (zrw.cache.assign_weights) and nothing is "
+            f"restored before its step, so fill must be None, got {fill!r}"
+        )
     masters = own_masters or isinstance(optimizer, MasterWeights)
     if masters and fill not in (None, "master", "empty"):
         raise ValueError(
             f"zrw.optim.attach: MasterWeights restores released weights from their FP32 masters "
-            f"(exact); fill={fill!r} would be overwritten at once: pass fill=None or 'master'")
+            f"(exact); fill={fill!r} would be overwritten at once: pass fill=None or 'master'"
+        )
     if not masters and fill in (None, "empty", "zeros", "master"):
-        what = {None: "uninitialized memory", "empty": "uninitialized memory",
-                "zeros": "zeros", "master": "a master it does not keep"}[fill]
+        what = {
+            None: "uninitialized memory",
+            "empty": "uninitialized memory",
+            "zeros": "zeros",
+            "master": "a master it does not keep",
+        }[fill]
         raise ValueError(
             f"zrw.optim.attach: {type(optimizer).__name__} steps the parameters themselves, so "
             f"restoring released weights with fill={fill!r} would hand it {what} instead of the "
             "weights. Wrap it in zrw.optim.MasterWeights(optimizer_cls, params, ...) (FP32 "
             "masters; exact), or pass fill='dequant' (the weights become their FP8 copies "
-            "each step: lossy)")
+            "each step: lossy)"
+        )
     if has_boundary(optimizer):
         raise RuntimeError("zrw.optim.attach: this optimizer already has the zrw boundary")
 
@@ -729,8 +811,10 @@ def attach(optimizer: torch.optim.Optimizer, fill: Optional[str] = None, *,
     def post_hook(opt, args, kwargs):
         cache.next_step()
 
-    handles = (optimizer.register_step_pre_hook(pre_hook),
-               optimizer.register_step_post_hook(post_hook))
+    handles = (
+        optimizer.register_step_pre_hook(pre_hook),
+        optimizer.register_step_post_hook(post_hook),
+    )
     rec = optimizer_record(optimizer)
     rec.hooks, rec.masters, rec.fill = handles, masters, fill
     cache.register_owner(_locals(_params_of(optimizer)), optimizer)
@@ -749,15 +833,20 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     with zrw.cache.register_master) get their BF16 values back exactly. An optimizer without the
     boundary is left as it is; anything that is not an optimizer raises TypeError."""
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zrw.optim.detach: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"zrw.optim.detach: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
     rec = find_optimizer_record(optimizer)
     if rec is None or rec.hooks is None:
         return
     handles = rec.hooks
     params = _locals(_params_of(optimizer))
-    mastered = [p for p, st in zip(params, cache.cache_states(params))
-                if st is cache.CacheState.RELEASED and cache.master_of(p) is not None]
+    mastered = [
+        p
+        for p, st in zip(params, cache.cache_states(params))
+        if st is cache.CacheState.RELEASED and cache.master_of(p) is not None
+    ]
     if mastered:
         cache.restore_weights(mastered, "master")
     for h in handles:
@@ -772,18 +861,24 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     poison half-way, after updating others)."""
     if isinstance(optimizer, MasterWeights):
         return
-    fp32_only = [p for p in _params_of(optimizer)
-                 if p.grad is None and getattr(p, "main_grad", None) is not None]
+    fp32_only = [
+        p
+        for p in _params_of(optimizer)
+        if p.grad is None and getattr(p, "main_grad", None) is not None
+    ]
     if fp32_only:
-        names = ", ".join(repr(cache.weight_name(local_tensor(p)) or f"<shape {tuple(p.shape)}>")
-                          for p in fp32_only[:8])
+        names = ", ".join(
+            repr(cache.weight_name(local_tensor(p)) or f"<shape {tuple(p.shape)}>")
+            for p in fp32_only[:8]
+        )
         raise RuntimeError(
             f"zrw: {type(optimizer).__name__}.step() would skip {len(fp32_only)} weight(s) "
             f"whose gradients are only in their FP32 main_grad (zrw.convert(..., "
             f"main_grad=True)): {names}. Nothing was stepped. main_grad is read by "
             "zrw.optim.MasterWeights and zrw.optim.AdamW (with Hugging Face's Trainer: "
             "optimizer_cls_and_kwargs=(zrw.optim.AdamW, {...})); other optimizers read .grad: "
-            "convert without main_grad for them")
+            "convert without main_grad for them"
+        )
     if has_boundary(optimizer):
         return
     params = [p for p in _params_of(optimizer) if p.grad is not None]
@@ -792,15 +887,17 @@ def _refuse_released_params(optimizer, args, kwargs) -> None:
     states = cache.cache_states(_locals(params))
     released = [local_tensor(p) for p, st in zip(params, states) if st.released]
     if released:
-        names = ", ".join(repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>")
-                          for p in released[:8])
+        names = ", ".join(
+            repr(cache.weight_name(p) or f"<shape {tuple(p.shape)}>") for p in released[:8]
+        )
         more = f" and {len(released) - 8} more" if len(released) > 8 else ""
         raise RuntimeError(
             f"zrw: {type(optimizer).__name__}.step() would update {len(released)} weight(s) "
             f"whose BF16 storage is released: {names}{more}. Nothing was stepped. Install the "
             "zero-redundancy boundary on this optimizer (zrw.optim.attach(optimizer, "
             "fill='dequant'), or use zrw.optim.MasterWeights), or restore the weights first "
-            "(zrw.cache.restore_all('master'))")
+            "(zrw.cache.restore_all('master'))"
+        )
 
 
 _global_guard = register_optimizer_step_pre_hook(_refuse_released_params)

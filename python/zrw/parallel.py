@@ -30,6 +30,7 @@ in BF16 with zrw.convert's `skip`). The expert axis of an expert stack is never 
 Numerics: a TP layer's partial products are reduced by the engine, in the activation dtype, as for
 a BF16 layer; EP moves whole tokens and changes nothing but the order of the rows.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -81,12 +82,15 @@ def local_tensors(ts) -> List[Tensor]:
     """local_tensor of each tensor of the iterable `ts` (a list, not a single tensor)."""
     op = "zrw.parallel.local_tensors"
     if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
-        raise TypeError(f"{op}: ts must be an iterable of tensors (a list, not a single tensor, "
-                        f"name or dict), got {type(ts).__name__}")
+        raise TypeError(
+            f"{op}: ts must be an iterable of tensors (a list, not a single tensor, "
+            f"name or dict), got {type(ts).__name__}"
+        )
     return [_local_tensor(check_tensor(op, f"ts[{i}]", t)) for i, t in enumerate(ts)]
 
 
 # ---- prepare -----------------------------------------------------------------------------------
+
 
 @dataclass
 class ParallelSummary:
@@ -96,15 +100,17 @@ class ParallelSummary:
 
     rank: int = 0
     world: int = 1
-    weights: Dict[str, str] = field(default_factory=dict)   # name -> placement (or "local")
+    weights: Dict[str, str] = field(default_factory=dict)  # name -> placement (or "local")
     local_elements: int = 0
     release_bytes: int = 0
     hooked_modules: int = 0
 
     def __str__(self) -> str:
-        return (f"zrw.parallel.prepare (rank {self.rank} of {self.world}): "
-                f"{len(self.weights)} converted weights, {self.local_elements} local elements, "
-                f"{self.release_bytes / 2**20:.2f} MiB of BF16 released per step")
+        return (
+            f"zrw.parallel.prepare (rank {self.rank} of {self.world}): "
+            f"{len(self.weights)} converted weights, {self.local_elements} local elements, "
+            f"{self.release_bytes / 2**20:.2f} MiB of BF16 released per step"
+        )
 
 
 def _is_fsdp_module(mod) -> bool:
@@ -136,7 +142,8 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
             raise TypeError(
                 f"zrw.parallel.prepare: '{mname}' is managed by FSDP2 (fully_shard): its "
                 "weights are gathered, not computed on as local shards; use zrw.fsdp.prepare "
-                "for it")
+                "for it"
+            )
         sharded = False
         for pname in mod.zrw_quantized:
             p = mod._parameters.get(pname)
@@ -167,6 +174,7 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
 
 # ---- transformers' engine ----------------------------------------------------------------------
 
+
 def apply_plan(model: torch.nn.Module, distributed_config) -> torch.nn.Module:
     """Shard a transformers model built in memory with transformers' own engine: its
     `base_model_tp_plan` / `base_model_ep_plan` under `distributed_config` (a
@@ -179,14 +187,18 @@ def apply_plan(model: torch.nn.Module, distributed_config) -> torch.nn.Module:
     _check_module(op, model)
     cls = type(model)
     if not hasattr(cls, "maybe_distribute_model"):
-        raise TypeError(f"zrw.parallel.apply_plan: model must be a transformers PreTrainedModel "
-                        f"(with the distributed engine), got {cls.__name__}")
+        raise TypeError(
+            f"zrw.parallel.apply_plan: model must be a transformers PreTrainedModel "
+            f"(with the distributed engine), got {cls.__name__}"
+        )
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:  # pragma: no cover - another transformers layout: dicts only checked
         DistributedConfig = ()
     if not isinstance(distributed_config, (dict, DistributedConfig)):
-        raise TypeError(f"{op}: distributed_config must be a transformers DistributedConfig or a "
-                        f"dict, got {type(distributed_config).__name__}")
+        raise TypeError(
+            f"{op}: distributed_config must be a transformers DistributedConfig or a "
+            f"dict, got {type(distributed_config).__name__}"
+        )
     dc, _device_map, mesh_manager = cls.prepare_distribute_model(distributed_config)
     return cls.maybe_distribute_model(model, dc, mesh_manager)

@@ -11,6 +11,7 @@ A zrw layer is any module that declares what it quantizes (`zrw_quantized`, the 
 parameters) and how (`recipe`): `is_zrw_layer`. zrw.fsdp, zrw.parallel and zrw.convert read
 that protocol, never a layer class.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@ and lookup holds the registry's lock; readers that walk a table take a snapshot 
 (`records()`), and the garbage collector's removals (WeakIdKeyDictionary's callbacks) never
 wait for the lock.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,17 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeightRecord", "record_of", "find_record", "records", "ModuleRecord",
-           "module_record", "OptimizerRecord", "optimizer_record", "find_optimizer_record"]
+__all__ = [
+    "WeightRecord",
+    "record_of",
+    "find_record",
+    "records",
+    "ModuleRecord",
+    "module_record",
+    "OptimizerRecord",
+    "optimizer_record",
+    "find_optimizer_record",
+]
 
 
 @dataclass(eq=False)
@@ -60,8 +70,9 @@ class WeightRecord:
 
     name: str = ""
     owners: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
-    masters: List[Tuple["weakref.ref[Any]", "weakref.ref[torch.Tensor]"]] = \
-        field(default_factory=list)
+    masters: List[Tuple["weakref.ref[Any]", "weakref.ref[torch.Tensor]"]] = field(
+        default_factory=list
+    )
     current: Optional["weakref.ref[torch.Tensor]"] = None
     written: Optional[tuple] = None
     digest: Optional[int] = None
@@ -94,12 +105,17 @@ class WeightRecord:
     def set_master(self, optimizer, master: torch.Tensor) -> None:
         """Register `optimizer`'s master of this weight (one per optimizer: a new one replaces
         the old)."""
-        self.masters = [(o, m) for o, m in self.masters
-                        if m() is not None and (o is None or o() is not None)
-                        and not (o is not None and o() is optimizer)
-                        and not (o is None and optimizer is None)]
-        self.masters.append((None if optimizer is None else weakref.ref(optimizer),
-                             weakref.ref(master)))
+        self.masters = [
+            (o, m)
+            for o, m in self.masters
+            if m() is not None
+            and (o is None or o() is not None)
+            and not (o is not None and o() is optimizer)
+            and not (o is None and optimizer is None)
+        ]
+        self.masters.append(
+            (None if optimizer is None else weakref.ref(optimizer), weakref.ref(master))
+        )
 
     def owned(self) -> bool:
         """Whether something writes this weight back exactly or restores it at a boundary: an
@@ -142,6 +158,7 @@ def records() -> List[Tuple[torch.Tensor, WeightRecord]]:
 
 
 # ---- modules and optimizers of the user's ---------------------------------------------------
+
 
 @dataclass(eq=False)
 class ModuleRecord:

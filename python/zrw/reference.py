@@ -291,15 +291,17 @@ def _master_as_param(master, param_dtype):
     if not isinstance(master, torch.Tensor):
         raise TypeError(f"master must be a torch.Tensor, found {type(master).__name__}")
     if master.dtype != torch.float32:
-        raise TypeError(f"master.dtype must be torch.float32 (the FP32 master weight), found "
-                        f"{master.dtype}")
+        raise TypeError(
+            f"master.dtype must be torch.float32 (the FP32 master weight), found {master.dtype}"
+        )
     if param_dtype not in PARAM_DTYPES:
         raise TypeError(f"param_dtype must be one of {PARAM_DTYPES}, found {param_dtype}")
     return master.to(param_dtype)
 
 
-def mx_quantize_from_master(master, dim=-1, param_dtype=torch.bfloat16,
-                            elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+def mx_quantize_from_master(
+    master, dim=-1, param_dtype=torch.bfloat16, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"
+):
     """``mx_quantize`` of the parameter an FP32 master stands for: ``master.to(param_dtype)``.
 
     Args:
@@ -312,16 +314,18 @@ def mx_quantize_from_master(master, dim=-1, param_dtype=torch.bfloat16,
     return mx_quantize(_master_as_param(master, param_dtype), dim, elem_dtype, scale_mode)
 
 
-def mx_quantize_dual_from_master(master, param_dtype=torch.bfloat16,
-                                 elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+def mx_quantize_dual_from_master(
+    master, param_dtype=torch.bfloat16, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"
+):
     """``mx_quantize_dual(master.to(param_dtype), elem_dtype, scale_mode)``; master (N, K) or
     (E, N, K), float32."""
     _check_weight(master, "master")
     return mx_quantize_dual(_master_as_param(master, param_dtype), elem_dtype, scale_mode)
 
 
-def mx_quantize_block_from_master(master, param_dtype=torch.bfloat16,
-                                  elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
+def mx_quantize_block_from_master(
+    master, param_dtype=torch.bfloat16, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"
+):
     """``mx_quantize_block(master.to(param_dtype), elem_dtype, scale_mode)``; master (N, K) or
     (E, N, K), float32."""
     _check_weight(master, "master")
@@ -371,8 +375,9 @@ def mx_expand_block_scale(block_scale, n, k, dim):
     """``expand_block_scale`` for a weight with ``n`` rows and ``k`` columns (the op's
     signature: the leading dims of the shape are block_scale's)."""
     if not isinstance(block_scale, torch.Tensor):
-        raise TypeError(f"block_scale must be a torch.float8_e8m0fnu tensor, found "
-                        f"{type(block_scale)}")
+        raise TypeError(
+            f"block_scale must be a torch.float8_e8m0fnu tensor, found {type(block_scale)}"
+        )
     return expand_block_scale(block_scale, (*block_scale.shape[:-2], n, k), dim)
 
 

@@ -12,6 +12,7 @@ extension) is zrw.fsdp's, MXLinear zrw.nn's. New here:
   recipe does and returns `(weight_fwd, scale_fwd, weight_bwd, scale_bwd)`.
 * `MXFP8GMM`: the RFC's name of the grouped-experts layer, zrw.nn.MXGroupedLinear itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,16 +88,20 @@ class QuantizeConfig:
 
     def __post_init__(self):
         if not isinstance(self.recipe_name, str) or self.recipe_name not in known_recipes():
-            raise ValueError(f"QuantizeConfig: recipe_name must be one of {known_recipes()}, "
-                             f"found {self.recipe_name!r}")
+            raise ValueError(
+                f"QuantizeConfig: recipe_name must be one of {known_recipes()}, "
+                f"found {self.recipe_name!r}"
+            )
         if self.scale_mode is not None and self.scale_mode not in ops.SCALE_MODES:
-            raise ValueError(f"QuantizeConfig: scale_mode must be None or one of "
-                             f"{ops.SCALE_MODES}, found {self.scale_mode!r}")
-        for name in ("enable_fsdp_low_precision_all_gather", "all_gather_both_planes",
-                     "release"):
+            raise ValueError(
+                f"QuantizeConfig: scale_mode must be None or one of "
+                f"{ops.SCALE_MODES}, found {self.scale_mode!r}"
+            )
+        for name in ("enable_fsdp_low_precision_all_gather", "all_gather_both_planes", "release"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"QuantizeConfig: {name} must be a bool, found "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"QuantizeConfig: {name} must be a bool, found {getattr(self, name)!r}"
+                )
         if self.skip is not None:
             self.skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
 
@@ -114,8 +119,10 @@ def convert_model(model: nn.Module, config: QuantizeConfig) -> ConvertSummary:
     skip=config.skip), then, with enable_fsdp_low_precision_all_gather, zrw.fsdp.prepare
     (before fully_shard). Returns zrw.convert's ConvertSummary."""
     if not isinstance(config, QuantizeConfig):
-        raise TypeError(f"zrw.rfc.convert_model: config must be a zrw.rfc.QuantizeConfig, got "
-                        f"{type(config).__name__}")
+        raise TypeError(
+            f"zrw.rfc.convert_model: config must be a zrw.rfc.QuantizeConfig, got "
+            f"{type(config).__name__}"
+        )
     summary = convert(model, config.recipe, release=config.release, skip=config.skip)
     if config.enable_fsdp_low_precision_all_gather:
         fsdp.prepare(model, both_planes=config.all_gather_both_planes)
@@ -127,12 +134,15 @@ def _recipe_of(config) -> QuantRecipe:
         return config.recipe
     if isinstance(config, (QuantRecipe, str)):
         return get_recipe(config)  # ValueError for an unknown name
-    raise TypeError(f"process_quant_result_fn: config must be a zrw.rfc.QuantizeConfig (or a "
-                    f"QuantRecipe / registered recipe name), got {type(config).__name__}")
+    raise TypeError(
+        f"process_quant_result_fn: config must be a zrw.rfc.QuantizeConfig (or a "
+        f"QuantRecipe / registered recipe name), got {type(config).__name__}"
+    )
 
 
-def process_quant_result_fn(weight: Tensor, dst_type: torch.dtype,
-                            config) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def process_quant_result_fn(
+    weight: Tensor, dst_type: torch.dtype, config
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Quantize `weight` as `config`'s recipe does: (weight_fwd, scale_fwd, weight_bwd, scale_bwd).
 
     weight: (N, K) or (E, N, K), bf16, fp16 or fp32. dst_type: torch.float8_e4m3fn or
@@ -151,18 +161,26 @@ def process_quant_result_fn(weight: Tensor, dst_type: torch.dtype,
     """
     recipe = _recipe_of(config)
     if dst_type not in _DST_TYPES:
-        raise ValueError(f"process_quant_result_fn: dst_type must be torch.float8_e4m3fn or "
-                         f"torch.float8_e5m2, got {dst_type!r}")
+        raise ValueError(
+            f"process_quant_result_fn: dst_type must be torch.float8_e4m3fn or "
+            f"torch.float8_e5m2, got {dst_type!r}"
+        )
     if not isinstance(weight, Tensor):
-        raise TypeError(f"process_quant_result_fn: weight must be a torch.Tensor, got "
-                        f"{type(weight).__name__}")
+        raise TypeError(
+            f"process_quant_result_fn: weight must be a torch.Tensor, got {type(weight).__name__}"
+        )
     if weight.dim() not in (2, 3):
-        raise ValueError(f"process_quant_result_fn: weight must be 2-d (N, K) or 3-d (E, N, K), "
-                         f"got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"process_quant_result_fn: weight must be 2-d (N, K) or 3-d (E, N, K), "
+            f"got shape {tuple(weight.shape)}"
+        )
     w = weight.detach()
     if recipe.block_32x32:
         data, block = ops.mx_quantize_block(w.contiguous(), dst_type, recipe.scale_mode)
-        return (data, ops.expand_block_scale(block, w.shape, -1), data,
-                ops.expand_block_scale(block, w.shape, -2))
+        return (
+            data,
+            ops.expand_block_scale(block, w.shape, -1),
+            data,
+            ops.expand_block_scale(block, w.shape, -2),
+        )
     return tuple(ops.mx_quantize_dual(w.contiguous(), dst_type, recipe.scale_mode))
-

@@ -8,6 +8,7 @@ zrw.checkpoint builds its one-tensor-at-a-time saves on `materialize` and `defer
                            layer (see its docstring)
   NamedWeight              the layer's `zrw_name`, kept on its weight for zrw's messages
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,9 @@ def frozen_values(mode: str) -> Iterator[None]:
     good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
     against the BF16 weight it was made from) or "raise"."""
     if mode not in FROZEN_MODES:
-        raise ValueError(f"zrw.state_dict.frozen_values: mode must be one of {FROZEN_MODES}, "
-                         f"got {mode!r}")
+        raise ValueError(
+            f"zrw.state_dict.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
+        )
     prev = frozen_mode()
     _state.frozen = mode
     try:
@@ -70,7 +72,10 @@ def warn_frozen_dequant(name: str) -> None:
         "values no longer exist in this process (lossy against the original weights; a LoRA "
         "adapter's own weights are exact). Keep the original checkpoint for the base model, "
         "convert with release_frozen=False to save exact base weights, or use "
-        "zrw.checkpoint.frozen_values('raise') to refuse", UserWarning, stacklevel=4)
+        "zrw.checkpoint.frozen_values('raise') to refuse",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def deferring() -> bool:
@@ -95,15 +100,20 @@ def materialize(p: Tensor, master: Tensor) -> Tensor:
     local tensor (zrw.cache.master_of), of its shape."""
     op = "zrw.state_dict.materialize"
     if not isinstance(p, Tensor):
-        raise TypeError(f"{op}: p must be a torch.Tensor (the released weight), got "
-                        f"{type(p).__name__}")
+        raise TypeError(
+            f"{op}: p must be a torch.Tensor (the released weight), got {type(p).__name__}"
+        )
     if not isinstance(master, Tensor):
-        raise TypeError(f"{op}: master must be a torch.Tensor (p's FP32 master, e.g. "
-                        f"zrw.cache.master_of(p)), got {type(master).__name__}")
+        raise TypeError(
+            f"{op}: master must be a torch.Tensor (p's FP32 master, e.g. "
+            f"zrw.cache.master_of(p)), got {type(master).__name__}"
+        )
     local = local_tensor(p)
     if local_tensor(master).shape != local.shape:
-        raise ValueError(f"{op}: master must have the shape of p's local tensor "
-                         f"{tuple(local.shape)}, got {tuple(master.shape)}")
+        raise ValueError(
+            f"{op}: master must have the shape of p's local tensor "
+            f"{tuple(local.shape)}, got {tuple(master.shape)}"
+        )
     with torch.no_grad():
         return wrap_like(p, master.detach().to(p.dtype, copy=True))
 
@@ -129,12 +139,15 @@ def frozen_value(p: Tensor) -> Tensor:
     warn_frozen_dequant(cache.weight_name(local))
     rec = find_record(local)
     if rec is None or rec.quantized_as is None:  # (a released weight was always quantized)
-        raise RuntimeError(f"zrw.state_dict.frozen_value: weight "
-                           f"'{cache.weight_name(local)}' has no record of its quantization")
+        raise RuntimeError(
+            f"zrw.state_dict.frozen_value: weight "
+            f"'{cache.weight_name(local)}' has no record of its quantization"
+        )
     layout, elem_dtype, scale_mode = rec.quantized_as
     with torch.no_grad():
-        q = cache.quant_and_release(local, layout, False, release_frozen=True,
-                                    elem_dtype=elem_dtype, scale_mode=scale_mode)
+        q = cache.quant_and_release(
+            local, layout, False, release_frozen=True, elem_dtype=elem_dtype, scale_mode=scale_mode
+        )
         value = ops.mx_dequantize(q.fwd.data, q.fwd.scale, -1, local.dtype)
     return wrap_like(p, value)
 
@@ -147,7 +160,8 @@ def frozen_error(where: str, names: str) -> RuntimeError:
         "and only their MXFP8 copies exist; nothing was returned or written "
         "(zrw.checkpoint.frozen_values('raise') is in effect). Use frozen_values('dequant') "
         "for their dequantized FP8 values, or convert with release_frozen=False to keep their "
-        "exact BF16 values")
+        "exact BF16 values"
+    )
 
 
 def keep_for_spawn(popen, t: Tensor) -> None:
@@ -217,14 +231,20 @@ class ReleasedWeightsStateDict:
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
         params = [(n, p) for n, p in params if isinstance(p, torch.Tensor)]
         states = cache.cache_states([local_tensor(p) for _, p in params])
-        return [(n, p, cache.master_of(local_tensor(p)))
-                for (n, p), st in zip(params, states) if st.released]
+        return [
+            (n, p, cache.master_of(local_tensor(p)))
+            for (n, p), st in zip(params, states)
+            if st.released
+        ]
 
     def _materialized(self):
         """(name, released parameter, a fresh Parameter holding its exact value) for each
         released weight with an FP32 master."""
-        return [(n, p, nn.Parameter(materialize(p, m), requires_grad=p.requires_grad))
-                for n, p, m in self._released_weights() if m is not None]
+        return [
+            (n, p, nn.Parameter(materialize(p, m), requires_grad=p.requires_grad))
+            for n, p, m in self._released_weights()
+            if m is not None
+        ]
 
     def __getstate__(self):
         """Pickling of the layer (`torch.save(model, path)`, a process started with
@@ -302,8 +322,11 @@ class ReleasedWeightsStateDict:
                 continue
             try:
                 probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-                same = (isinstance(probe, torch.Tensor) and probe.dtype == p.dtype
-                        and probe.device == p.device)
+                same = (
+                    isinstance(probe, torch.Tensor)
+                    and probe.dtype == p.dtype
+                    and probe.device == p.device
+                )
             except Exception:
                 same = False
             if same and cache.cache_state(local_tensor(p)).released:
@@ -323,8 +346,13 @@ class ReleasedWeightsStateDict:
         finally:
             current = dict(self._parameters)
             self._parameters.clear()
-            self._parameters.update({k: kept[k] if k in kept else current[k] for k in order
-                                     if k in kept or k in current})
+            self._parameters.update(
+                {
+                    k: kept[k] if k in kept else current[k]
+                    for k in order
+                    if k in kept or k in current
+                }
+            )
         with torch.no_grad():
             for p in kept.values():
                 if p.grad is not None:
@@ -350,16 +378,20 @@ class ReleasedWeightsStateDict:
                 destination[prefix + n] = p
             return
         # Frozen weights released for good (release_frozen): their FP8 copy is their only value.
-        frozen = {n: p for n, p, m in released
-                  if m is None
-                  and cache.cache_state(local_tensor(p)) is cache.CacheState.RELEASED_FOR_GOOD}
+        frozen = {
+            n: p
+            for n, p, m in released
+            if m is None
+            and cache.cache_state(local_tensor(p)) is cache.CacheState.RELEASED_FOR_GOOD
+        }
         if frozen and frozen_mode() == "raise":
-            names = ", ".join(repr(cache.weight_name(local_tensor(p)) or n)
-                              for n, p in frozen.items())
+            names = ", ".join(
+                repr(cache.weight_name(local_tensor(p)) or n) for n, p in frozen.items()
+            )
             raise frozen_error(
-                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}'", names)
-        orphans = [local_tensor(p) for n, p, m in released
-                   if m is None and n not in frozen]
+                f"zrw: state_dict() of '{prefix.rstrip('.') or type(self).__name__}'", names
+            )
+        orphans = [local_tensor(p) for n, p, m in released if m is None and n not in frozen]
         if orphans:
             names = ", ".join(repr(cache.weight_name(p) or prefix.rstrip(".")) for p in orphans)
             raise RuntimeError(
@@ -369,7 +401,8 @@ class ReleasedWeightsStateDict:
                 "master to materialize them from; nothing was returned or written. Take the "
                 "state dict after the optimizer step, use zrw.optim.MasterWeights (exact), or "
                 "restore the weights first with zrw.cache.restore_all('master') (lossy "
-                "dequantization where no master exists)")
+                "dequantization where no master exists)"
+            )
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n, p, m in released:
             if n in frozen:
@@ -380,15 +413,26 @@ class ReleasedWeightsStateDict:
     def _frozen_value(self, p: Tensor) -> Tensor:
         return frozen_value(p)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
             # load_state_dict(assign=True) replaces the parameter objects: the old weights, and
             # their entries, are simply dropped; the new ones take the old ones' zrw names.
-            names = {n: cache.weight_name(p) for n, p in self._parameters.items()
-                     if isinstance(p, torch.Tensor) and cache.weight_name(p)}
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
+            names = {
+                n: cache.weight_name(p)
+                for n, p in self._parameters.items()
+                if isinstance(p, torch.Tensor) and cache.weight_name(p)
+            }
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
             restamp_names(self, names)
             return
         params = [(n, self._parameters.get(n)) for n in self.zrw_quantized]
@@ -407,41 +451,56 @@ class ReleasedWeightsStateDict:
                 del self._parameters[n]
         first_unexpected = len(unexpected_keys)
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
         finally:
             if held:
                 self._parameters.clear()
                 self._parameters.update(saved)
         if held:
             unexpected_keys[first_unexpected:] = [
-                k for k in unexpected_keys[first_unexpected:]
-                if k[len(prefix):] not in held]
+                k for k in unexpected_keys[first_unexpected:] if k[len(prefix) :] not in held
+            ]
         for n, (p, st) in held.items():
             key = prefix + n
             value = state_dict[key]
             if n in same:
                 continue
             if not isinstance(value, torch.Tensor):
-                error_msgs.append(f'While copying the parameter named "{key}", expected '
-                                  f"torch.Tensor or Tensor-like object from checkpoint but "
-                                  f"received {type(value)}")
+                error_msgs.append(
+                    f'While copying the parameter named "{key}", expected '
+                    f"torch.Tensor or Tensor-like object from checkpoint but "
+                    f"received {type(value)}"
+                )
                 continue
             if tuple(value.shape) != tuple(p.shape):
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
-                                  f"model is {tuple(p.shape)}.")
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(value.shape)} from checkpoint, the shape in current "
+                    f"model is {tuple(p.shape)}."
+                )
                 continue
             if is_dtensor(p):
                 # The rank's shard of the loaded value: a DTensor laid out as the weight.
-                if (not is_dtensor(value) or value.placements != p.placements
-                        or value.device_mesh != p.device_mesh):
+                if (
+                    not is_dtensor(value)
+                    or value.placements != p.placements
+                    or value.device_mesh != p.device_mesh
+                ):
                     error_msgs.append(
                         f"zrw: {key} is a released DTensor weight of placements "
                         f"{p.placements}; load a state dict of DTensors with the same "
                         f"placements, or call zrw.cache.restore_all('master') first, got "
                         f"{type(value).__name__}"
-                        f"{' ' + str(value.placements) if is_dtensor(value) else ''}")
+                        f"{' ' + str(value.placements) if is_dtensor(value) else ''}"
+                    )
                     continue
                 value, p = value.to_local(), local_tensor(p)
             master = cache.master_of(p)
@@ -474,5 +533,3 @@ def restamp_names(module: nn.Module, names: dict) -> None:
         param = module._parameters.get(pname)
         if param is not None and name is not None:
             cache.set_weight_name(param, name)
-
-

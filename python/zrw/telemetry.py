@@ -36,6 +36,7 @@ Nothing changes what the model computes: the hooks read tensors and return nothi
 the block there are no hooks at all (zero cost when off). Inside it each measured tensor costs
 one extra quantize and dequantize. Eager-mode only (the hooks read tensor values).
 """
+
 from __future__ import annotations
 
 import math
@@ -93,9 +94,14 @@ class QuantStats:
         return self.flushed / self.elements if self.elements else math.nan
 
     def as_dict(self) -> dict:
-        return {"sqnr_db": self.sqnr_db, "saturated": self.saturated_fraction,
-                "flushed": self.flushed_fraction, "elements": self.elements,
-                "nonzero": self.nonzero, "calls": self.calls}
+        return {
+            "sqnr_db": self.sqnr_db,
+            "saturated": self.saturated_fraction,
+            "flushed": self.flushed_fraction,
+            "elements": self.elements,
+            "nonzero": self.nonzero,
+            "calls": self.calls,
+        }
 
 
 def _scale_values(scale: Tensor) -> Tensor:
@@ -104,8 +110,13 @@ def _scale_values(scale: Tensor) -> Tensor:
     return torch.where(byte == 255, torch.full_like(byte, math.nan), torch.exp2(byte - 127.0))
 
 
-def quant_stats(x: Tensor, dim: int = -1, elem_dtype: torch.dtype = torch.float8_e4m3fn,
-                scale_mode: str = "rceil", block_32x32: bool = False) -> QuantStats:
+def quant_stats(
+    x: Tensor,
+    dim: int = -1,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_mode: str = "rceil",
+    block_32x32: bool = False,
+) -> QuantStats:
     """QuantStats of MX-quantizing `x` (bf16, fp16 or fp32) as zrw's kernels do.
 
     Blocks of 32 along `dim` (zrw.ops.mx_quantize), or with block_32x32=True one scale per
@@ -113,8 +124,9 @@ def quant_stats(x: Tensor, dim: int = -1, elem_dtype: torch.dtype = torch.float8
     Elements of blocks holding NaN or Inf are left out of the sums (their scale is NaN).
     """
     if not isinstance(x, Tensor):
-        raise TypeError(f"zrw.telemetry.quant_stats: x must be a torch.Tensor, got "
-                        f"{type(x).__name__}")
+        raise TypeError(
+            f"zrw.telemetry.quant_stats: x must be a torch.Tensor, got {type(x).__name__}"
+        )
     x = x.detach()
     if x.numel() == 0:
         return QuantStats(calls=1)
@@ -135,11 +147,14 @@ def quant_stats(x: Tensor, dim: int = -1, elem_dtype: torch.dtype = torch.float8
     nonzero = (xf != 0) & finite
     limit = _ELEM_MAX[elem_dtype] * per_element
     return QuantStats(
-        elements=int(finite.sum()), nonzero=int(nonzero.sum()),
+        elements=int(finite.sum()),
+        nonzero=int(nonzero.sum()),
         saturated=int(((xf.abs() > limit) & finite).sum()),
         flushed=int((nonzero & (deq == 0)).sum()),
-        signal=float(signal.double().pow(2).sum()), noise=float(err.double().pow(2).sum()),
-        calls=1)
+        signal=float(signal.double().pow(2).sum()),
+        noise=float(err.double().pow(2).sum()),
+        calls=1,
+    )
 
 
 @dataclass
@@ -148,7 +163,7 @@ class _Layer:
     module: nn.Module
     recipe: QuantRecipe
     weights: Tuple[str, ...]  # the parameters it quantizes
-    linear: bool              # a 2-D weight and forward(x): activations and gradients too
+    linear: bool  # a 2-D weight and forward(x): activations and gradients too
     weight_step: Optional[int] = None
     stats: Dict[Tuple[str, str], QuantStats] = field(default_factory=dict)
 
@@ -178,10 +193,15 @@ class NumericsTelemetry:
     Use as a context manager (`with collect(model) as tel:`) or with start() / stop().
     """
 
-    def __init__(self, model: nn.Module, *, tensors: Iterable[str] = TENSORS,
-                 recipe: str | QuantRecipe | None = None,
-                 layers: Optional[Iterable[str]] = None,
-                 scale_modes: Optional[Sequence[str]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tensors: Iterable[str] = TENSORS,
+        recipe: str | QuantRecipe | None = None,
+        layers: Optional[Iterable[str]] = None,
+        scale_modes: Optional[Sequence[str]] = None,
+    ):
         op = "zrw.telemetry.NumericsTelemetry"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -193,8 +213,10 @@ class NumericsTelemetry:
             scale_modes = tuple(scale_modes)
             bad = [m for m in scale_modes if m not in ops.SCALE_MODES]
             if bad or not scale_modes:
-                raise ValueError(f"{op}: scale_modes must be a non-empty sequence of "
-                                 f"{ops.SCALE_MODES}, got {scale_modes!r}")
+                raise ValueError(
+                    f"{op}: scale_modes must be a non-empty sequence of "
+                    f"{ops.SCALE_MODES}, got {scale_modes!r}"
+                )
         self.scale_modes = scale_modes
         default = None if recipe is None else get_recipe(recipe)
         parts = None if layers is None else tuple(layers)
@@ -219,11 +241,17 @@ class NumericsTelemetry:
         if self._handles:
             return self
         for layer in self._layers:
-            self._handles.append(layer.module.register_forward_pre_hook(
-                lambda m, args, layer=layer: self._pre_forward(layer, args)))
+            self._handles.append(
+                layer.module.register_forward_pre_hook(
+                    lambda m, args, layer=layer: self._pre_forward(layer, args)
+                )
+            )
             if layer.linear and "gradient" in self.tensors:
-                self._handles.append(layer.module.register_forward_hook(
-                    lambda m, args, out, layer=layer: self._post_forward(layer, out)))
+                self._handles.append(
+                    layer.module.register_forward_hook(
+                        lambda m, args, out, layer=layer: self._post_forward(layer, out)
+                    )
+                )
         return self
 
     def stop(self) -> None:
@@ -267,31 +295,41 @@ class NumericsTelemetry:
                     continue
                 for mode in self._modes(layer):
                     if "weight" in self.tensors:
-                        self._add(layer, "weight", mode, quant_stats(
-                            w, -1, rcp.elem_dtype, mode, block_32x32=rcp.block_32x32))
+                        self._add(
+                            layer,
+                            "weight",
+                            mode,
+                            quant_stats(w, -1, rcp.elem_dtype, mode, block_32x32=rcp.block_32x32),
+                        )
                     if "weight_bwd" in self.tensors and not rcp.block_32x32:
-                        self._add(layer, "weight_bwd", mode,
-                                  quant_stats(w, -2, rcp.elem_dtype, mode))
+                        self._add(
+                            layer, "weight_bwd", mode, quant_stats(w, -2, rcp.elem_dtype, mode)
+                        )
         if layer.linear and "activation" in self.tensors and args and isinstance(args[0], Tensor):
             for mode in self._modes(layer):
-                self._add(layer, "activation", mode,
-                          quant_stats(args[0], -1, rcp.elem_dtype, mode))
+                self._add(layer, "activation", mode, quant_stats(args[0], -1, rcp.elem_dtype, mode))
 
     def _post_forward(self, layer: _Layer, out) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
+
             def on_grad(dy: Tensor, layer=layer) -> None:
                 with torch.no_grad():
                     for mode in self._modes(layer):
-                        self._add(layer, "gradient", mode,
-                                  quant_stats(dy, -1, layer.recipe.elem_dtype, mode))
+                        self._add(
+                            layer,
+                            "gradient",
+                            mode,
+                            quant_stats(dy, -1, layer.recipe.elem_dtype, mode),
+                        )
 
             out.register_hook(on_grad)
 
     # ---- reporting -----------------------------------------------------------------------
     def stats(self) -> Dict[Tuple[str, str, str], QuantStats]:
         """{(layer name, tensor, scale mode): QuantStats} of what was collected."""
-        return {(layer.name, t, m): s for layer in self._layers
-                for (t, m), s in layer.stats.items()}
+        return {
+            (layer.name, t, m): s for layer in self._layers for (t, m), s in layer.stats.items()
+        }
 
     def records(self) -> List[dict]:
         """One dict per (layer, tensor, scale mode): layer, tensor, recipe, scale_mode, sqnr_db,
@@ -301,9 +339,15 @@ class NumericsTelemetry:
             for tensor in TENSORS:
                 for (t, mode), s in layer.stats.items():
                     if t == tensor:
-                        out.append({"layer": layer.name, "tensor": t,
-                                    "recipe": layer.recipe.name, "scale_mode": mode,
-                                    **s.as_dict()})
+                        out.append(
+                            {
+                                "layer": layer.name,
+                                "tensor": t,
+                                "recipe": layer.recipe.name,
+                                "scale_mode": mode,
+                                **s.as_dict(),
+                            }
+                        )
         return out
 
     def summary(self) -> List[dict]:
@@ -322,9 +366,16 @@ class NumericsTelemetry:
         for tensor in TENSORS:
             for (rname, t, mode), s in pooled.items():
                 if t == tensor:
-                    out.append({"recipe": rname, "tensor": t, "scale_mode": mode,
-                                **s.as_dict(), "min_sqnr_db": worst[(rname, t, mode)][0],
-                                "min_sqnr_layer": worst[(rname, t, mode)][1]})
+                    out.append(
+                        {
+                            "recipe": rname,
+                            "tensor": t,
+                            "scale_mode": mode,
+                            **s.as_dict(),
+                            "min_sqnr_db": worst[(rname, t, mode)][0],
+                            "min_sqnr_layer": worst[(rname, t, mode)][1],
+                        }
+                    )
         return out
 
     def table(self, pooled: bool = False) -> str:
@@ -332,12 +383,25 @@ class NumericsTelemetry:
         rows = self.summary() if pooled else self.records()
         first = "recipe" if pooled else "layer"
         header = [first, "tensor", "scale", "SQNR dB", "saturated", "flushed", "elements"]
-        cells = [header] + [[str(r[first]), r["tensor"], r["scale_mode"],
-                             f"{r['sqnr_db']:.2f}", f"{r['saturated']:.2e}",
-                             f"{r['flushed']:.2e}", str(r["elements"])] for r in rows]
+        cells = [header] + [
+            [
+                str(r[first]),
+                r["tensor"],
+                r["scale_mode"],
+                f"{r['sqnr_db']:.2f}",
+                f"{r['saturated']:.2e}",
+                f"{r['flushed']:.2e}",
+                str(r["elements"]),
+            ]
+            for r in rows
+        ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+        lines = [
+            "  ".join(
+                c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            )
+            for row in cells
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 

@@ -7,6 +7,7 @@ counting allocator's failure plan, the CPU GEMM counters, ProcessGroup's all-gat
 use it from one thread, around the code under test, and let each context manager restore what it
 changed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,14 +15,21 @@ from typing import Dict, Iterator
 
 from . import _C, memory
 
-__all__ = ["fail_allocations", "pending_failures", "gemm_counts", "reset_gemm_counts",
-           "count_all_gather_bytes", "shard_quantizations"]
+__all__ = [
+    "fail_allocations",
+    "pending_failures",
+    "gemm_counts",
+    "reset_gemm_counts",
+    "count_all_gather_bytes",
+    "shard_quantizations",
+]
 
 
 def _non_negative_int(fn: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"zrw.testing.{fn}: {name} must be an int >= 0, got "
-                        f"{type(value).__name__} {value!r}")
+        raise TypeError(
+            f"zrw.testing.{fn}: {name} must be an int >= 0, got {type(value).__name__} {value!r}"
+        )
     if value < 0:
         raise ValueError(f"zrw.testing.{fn}: {name} must be an int >= 0, got {value}")
     return value
@@ -40,11 +48,13 @@ def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iter
     if not _C.fault_injection_built():
         raise RuntimeError(
             "zrw.testing.fail_allocations: this build of zrw has no fault injection (it is "
-            "compiled into test builds only: build with ZRW_TEST_OPS=ON, the default)")
+            "compiled into test builds only: build with ZRW_TEST_OPS=ON, the default)"
+        )
     if not memory.installed():
         raise RuntimeError(
             "zrw.testing.fail_allocations: the counting allocator is not installed: call "
-            "zrw.memory.install() before building the tensors whose allocations should fail")
+            "zrw.memory.install() before building the tensors whose allocations should fail"
+        )
     _C.memory_fail_next(min_bytes, after, count)
     try:
         yield

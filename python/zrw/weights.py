@@ -14,6 +14,7 @@ public attributes.
   * a DTensor (DTensor TP): its local shard, trainable as its DTensor is;
   * any other tensor: itself, through the native cache.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,16 +48,24 @@ class WeightPolicy:
     def of(module, name: Optional[str] = None) -> "WeightPolicy":
         """The policy of a zrw layer, from its attributes (`recipe`, `release`, and where it has
         them `release_frozen` and `main_grad`)."""
-        return WeightPolicy(get_recipe(module.recipe), module.release,
-                            getattr(module, "release_frozen", False),
-                            getattr(module, "main_grad", False), name)
+        return WeightPolicy(
+            get_recipe(module.recipe),
+            module.release,
+            getattr(module, "release_frozen", False),
+            getattr(module, "main_grad", False),
+            name,
+        )
 
     @staticmethod
     def cached(module) -> "WeightPolicy":
         """WeightPolicy.of(module), made again only when one of the layer's attributes it reads
         changed since the last call (a layer's forward asks for it at every call)."""
-        key = (module.recipe, module.release, getattr(module, "release_frozen", False),
-               getattr(module, "main_grad", False))
+        key = (
+            module.recipe,
+            module.release,
+            getattr(module, "release_frozen", False),
+            getattr(module, "main_grad", False),
+        )
         hit = module.__dict__.get("_policy")
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -70,33 +79,55 @@ class WeightPolicy:
 
 def check_policy(op: str, policy) -> WeightPolicy:
     if not isinstance(policy, WeightPolicy):
-        raise TypeError(f"{op}: policy must be a zrw.weights.WeightPolicy, got "
-                        f"{type(policy).__name__}")
+        raise TypeError(
+            f"{op}: policy must be a zrw.weights.WeightPolicy, got {type(policy).__name__}"
+        )
     return policy
 
 
 def check_recipe(op: str, recipe) -> QuantRecipe:
     if not isinstance(recipe, QuantRecipe):
-        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
-                        f"{type(recipe).__name__}")
+        raise TypeError(
+            f"{op}: recipe must be a zrw.QuantRecipe (zrw.get_recipe(name)), got "
+            f"{type(recipe).__name__}"
+        )
     return recipe
 
 
 @torch._dynamo.disable(reason=cache.EAGER_ONLY)
-def quant_local(owner: Tensor, requires_grad: bool, recipe: QuantRecipe, release: bool,
-                release_frozen: bool, name: Optional[str] = None) -> MXWeight:
+def quant_local(
+    owner: Tensor,
+    requires_grad: bool,
+    recipe: QuantRecipe,
+    release: bool,
+    release_frozen: bool,
+    name: Optional[str] = None,
+) -> MXWeight:
     """quant_and_release on a rank's local shard, trainable as its DTensor (or the engine's
     view of it) is (`requires_grad`)."""
     check_tensor("zrw.weights.quant_local", "owner", owner)
     check_recipe("zrw.weights.quant_local", recipe)
-    return cache.quant_and_release(owner, recipe.cache_layout, release,
-                                   release_frozen=release_frozen, elem_dtype=recipe.elem_dtype,
-                                   scale_mode=recipe.scale_mode, name=name,
-                                   require_owner=True, trainable=bool(requires_grad))
+    return cache.quant_and_release(
+        owner,
+        recipe.cache_layout,
+        release,
+        release_frozen=release_frozen,
+        elem_dtype=recipe.elem_dtype,
+        scale_mode=recipe.scale_mode,
+        name=name,
+        require_owner=True,
+        trainable=bool(requires_grad),
+    )
 
 
-def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release: bool,
-                      release_frozen: bool, name: Optional[str] = None) -> MXWeight:
+def quant_engine_view(
+    view: Tensor,
+    owner: Tensor,
+    recipe: QuantRecipe,
+    release: bool,
+    release_frozen: bool,
+    name: Optional[str] = None,
+) -> MXWeight:
     """The planes of a weight the engine handed to forward as a `to_local()` view: those of
     its local tensor, which `prepare`'s pre-hook quantized (and released) before the view
     existed."""
@@ -110,7 +141,8 @@ def quant_engine_view(view: Tensor, owner: Tensor, recipe: QuantRecipe, release:
             "parallel engine, e.g. transformers' moe_tp_experts / ep_dispatch_experts, hands "
             "the layer its local shard), but zrw.parallel.prepare(model) has not run on it. "
             "Call zrw.parallel.prepare(model) once after the model is sharded: it checks the "
-            "local shards and quantizes and releases them before the engine makes the view")
+            "local shards and quantizes and releases them before the engine makes the view"
+        )
     return quant_local(owner, view.requires_grad, recipe, release, release_frozen, name)
 
 
@@ -125,15 +157,28 @@ def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
         return MXWeight(q.recipe, q.fwd, MXPlane(None, None))
     owner = engine_view_owner(weight)
     if owner is not None:
-        return quant_engine_view(weight, owner, recipe, policy.release, policy.release_frozen,
-                                 policy.name)
+        return quant_engine_view(
+            weight, owner, recipe, policy.release, policy.release_frozen, policy.name
+        )
     if is_dtensor(weight):
-        return quant_local(weight._local_tensor, weight.requires_grad, recipe, policy.release,
-                           policy.release_frozen, policy.name)
-    return cache.quant_and_release(weight, recipe.cache_layout, policy.release,
-                                   release_frozen=policy.release_frozen,
-                                   elem_dtype=recipe.elem_dtype, scale_mode=recipe.scale_mode,
-                                   name=policy.name, require_owner=True)
+        return quant_local(
+            weight._local_tensor,
+            weight.requires_grad,
+            recipe,
+            policy.release,
+            policy.release_frozen,
+            policy.name,
+        )
+    return cache.quant_and_release(
+        weight,
+        recipe.cache_layout,
+        policy.release,
+        release_frozen=policy.release_frozen,
+        elem_dtype=recipe.elem_dtype,
+        scale_mode=recipe.scale_mode,
+        name=policy.name,
+        require_owner=True,
+    )
 
 
 def main_grad_owner(weight: Tensor) -> Tensor:
@@ -224,6 +269,12 @@ def prepare_local_shards(module, args, kwargs=None):
     for pname in module.zrw_quantized:
         p = module._parameters.get(pname)
         if is_dtensor(p):
-            quant_local(p._local_tensor, p.requires_grad, policy.recipe, policy.release,
-                        policy.release_frozen, cache.weight_name(p._local_tensor) or None)
+            quant_local(
+                p._local_tensor,
+                p.requires_grad,
+                policy.recipe,
+                policy.release,
+                policy.release_frozen,
+                cache.weight_name(p._local_tensor) or None,
+            )
     return None

@@ -11,6 +11,7 @@
   each step. --late-ddp: a probe that constructs DDP after a (releasing) forward.
 --tasks dcp,ddp: both, in one launch.
 """
+
 import contextlib
 import os
 
@@ -22,6 +23,7 @@ from helpers import worker
 from helpers.fsdp_runs import Net
 
 # ---- DCP ---------------------------------------------------------------------------------------
+
 
 def build_fsdp(args, seed=0):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -48,15 +50,22 @@ def build_fsdp(args, seed=0):
 
 def batches(args, steps):
     """Per step and micro-batch, the global batch: world * tokens rows (rank r takes its rows)."""
-    return worker.batches(steps * args.micro_batches,
-                          lambda g: torch.randn(args.world * args.tokens, args.d, generator=g))
+    return worker.batches(
+        steps * args.micro_batches,
+        lambda g: torch.randn(args.world * args.tokens, args.d, generator=g),
+    )
 
 
 def train(model, opt, args, data, steps, **kw):
     rows = slice(dist.get_rank() * args.tokens, (dist.get_rank() + 1) * args.tokens)
-    losses, _ = worker.train(opt, steps, args.micro_batches, lambda s, mb: model(
-        data[s * args.micro_batches + mb][rows]).float().pow(2).mean(),
-        group=dist.group.WORLD, **kw)
+    losses, _ = worker.train(
+        opt,
+        steps,
+        args.micro_batches,
+        lambda s, mb: model(data[s * args.micro_batches + mb][rows]).float().pow(2).mean(),
+        group=dist.group.WORLD,
+        **kw,
+    )
     return losses
 
 
@@ -72,15 +81,16 @@ def run_dcp(args):
     data = batches(args, 4)
     model, opt = build_fsdp(args)
     train(model, opt, args, data, range(2))
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=args.ckpt)
     ref = train(model, opt, args, data, range(2, 4))
 
     # A fresh model from another seed: everything it resumes with must come from the checkpoint.
     model2, opt2 = build_fsdp(args, seed=1)
-    state2 = {"model": get_model_state_dict(model2),
-              "optim": get_optimizer_state_dict(model2, opt2)}
+    state2 = {
+        "model": get_model_state_dict(model2),
+        "optim": get_optimizer_state_dict(model2, opt2),
+    }
     dcp.load(state2, checkpoint_id=args.ckpt)
     set_model_state_dict(model2, state2["model"])
     set_optimizer_state_dict(model2, opt2, state2["optim"])
@@ -89,9 +99,14 @@ def run_dcp(args):
     o_ref = get_optimizer_state_dict(model, opt)["state"]
     o_res = get_optimizer_state_dict(model2, opt2)["state"]
     types = sorted({type(p.to_local()).__name__ for p in model2.parameters()})
-    return {"ref": ref, "resumed": resumed, "w_ref": worker.full_weights(model),
-            "w_res": worker.full_weights(model2), "types": types,
-            "optim_keys": sorted(o_ref) == sorted(o_res)}
+    return {
+        "ref": ref,
+        "resumed": resumed,
+        "w_ref": worker.full_weights(model),
+        "w_res": worker.full_weights(model2),
+        "types": types,
+        "optim_keys": sorted(o_ref) == sorted(o_res),
+    }
 
 
 def run_dcp_all(args):
@@ -105,6 +120,7 @@ def run_dcp_all(args):
 
 
 # ---- DDP ---------------------------------------------------------------------------------------
+
 
 def run_ddp_all(args):
     """Release off, on, and on with gradient_as_bucket_view=True, one after the other in this
@@ -120,9 +136,13 @@ def run_ddp(args, release, bucket_view):
     import zrw
 
     torch.manual_seed(0)
-    seq = nn.Sequential(nn.Linear(args.d, args.hidden), nn.GELU(),
-                        nn.Linear(args.hidden, args.hidden), nn.GELU(),
-                        nn.Linear(args.hidden, args.d, bias=False)).to(torch.bfloat16)
+    seq = nn.Sequential(
+        nn.Linear(args.d, args.hidden),
+        nn.GELU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.GELU(),
+        nn.Linear(args.hidden, args.d, bias=False),
+    ).to(torch.bfloat16)
     zrw.convert(seq, args.recipe, release=release)
     # DDP before the first forward: its construction broadcasts the parameters' data (they
     # must not be released then); gradient buckets are separate storages unless
@@ -148,17 +168,26 @@ def run_ddp(args, release, bucket_view):
 
     last = args.micro_batches - 1
     losses, _ = worker.train(
-        opt, range(args.steps), args.micro_batches, loss_of, group=dist.group.WORLD,
+        opt,
+        range(args.steps),
+        args.micro_batches,
+        loss_of,
+        group=dist.group.WORLD,
         context=lambda s, mb: model.no_sync() if mb < last else contextlib.nullcontext(),
-        after_backward=note)
+        after_backward=note,
+    )
     # Read through state_dict: the BF16-free step keeps the weights released after the step.
     sd = seq.state_dict()
     weights = {n: sd[n].float().clone() for n, _ in seq.named_parameters()}
     # DDP keeps the replicas identical: every rank ends with the same weights.
     sums = [None] * args.world
     dist.all_gather_object(sums, [w.double().sum().item() for w in weights.values()])
-    return {"losses": losses, "weights": weights, "released": released,
-            "replicas_equal": all(s == sums[0] for s in sums)}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "released": released,
+        "replicas_equal": all(s == sums[0] for s in sums),
+    }
 
 
 def run(args):

@@ -9,6 +9,7 @@ they run one after the other in one launch, and rank 0 writes the list of their 
 updated weights, gathered planes, all-gather bytes counted at the process group, shard
 quantization counts, zrw.fsdp's warnings).
 """
+
 import warnings
 
 import torch
@@ -20,8 +21,10 @@ from helpers.fsdp_runs import build
 
 def batches(args):
     # global batch per micro-batch: world * tokens rows (rank r takes its rows)
-    return worker.batches(args.steps * args.micro_batches,
-                          lambda g: torch.randn(args.world * args.tokens, args.d, generator=g))
+    return worker.batches(
+        args.steps * args.micro_batches,
+        lambda g: torch.randn(args.world * args.tokens, args.d, generator=g),
+    )
 
 
 def optimizer_cls(args):
@@ -33,8 +36,14 @@ def run_single(args):
     model = build(args).to(torch.bfloat16)
     opt = worker.master_weights(model.parameters(), args.lr, optimizer_cls(args))
     data = batches(args)
-    losses, _ = worker.train(opt, range(args.steps), args.micro_batches, lambda s, mb: model(
-        data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean())
+    losses, _ = worker.train(
+        opt,
+        range(args.steps),
+        args.micro_batches,
+        lambda s, mb: (
+            model(data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean()
+        ),
+    )
     # The FP32 masters: what FSDP2's sharded parameters are.
     return {"losses": losses, "weights": worker.masters_by_name(model, opt)}
 
@@ -85,9 +94,11 @@ def run_fsdp(args):
         if name in first_planes:
             return
         q = w._mx_state["planes"]  # the gathered zrw.planes.MXWeight
-        first_planes[name] = {f"{d}_{k}": (None if v is None else v.view(torch.uint8).clone())
-                              for d, plane in (("fwd", q.fwd), ("bwd", q.bwd))
-                              for k, v in (("data", plane.data), ("scale", plane.scale))}
+        first_planes[name] = {
+            f"{d}_{k}": (None if v is None else v.view(torch.uint8).clone())
+            for d, plane in (("fwd", q.fwd), ("bwd", q.bwd))
+            for k, v in (("data", plane.data), ("scale", plane.scale))
+        }
 
     for name, mod in model.named_modules():
         if isinstance(mod, (zrw.nn.MXLinear, zrw.nn.MXFusedExperts)):
@@ -96,16 +107,25 @@ def run_fsdp(args):
     rows = slice(rank * args.tokens, (rank + 1) * args.tokens)
     with worker.count_gathered_bytes() as counts:
         losses, per_step = worker.train(
-            opt, range(args.steps), args.micro_batches,
+            opt,
+            range(args.steps),
+            args.micro_batches,
             lambda s, mb: model(data[s * args.micro_batches + mb][rows]).float().pow(2).mean(),
-            group=dist.group.WORLD, world=args.world, gathered=counts)
-    return {"losses": losses, "weights": worker.full_weights(model),
-            "per_step_bytes": per_step,
-            "quantizations": zrw.testing.shard_quantizations() - q0,
-            "planes": first_planes,
-            "resident_plane_bytes": {
-                name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
-                for name, st in states.items()}}
+            group=dist.group.WORLD,
+            world=args.world,
+            gathered=counts,
+        )
+    return {
+        "losses": losses,
+        "weights": worker.full_weights(model),
+        "per_step_bytes": per_step,
+        "quantizations": zrw.testing.shard_quantizations() - q0,
+        "planes": first_planes,
+        "resident_plane_bytes": {
+            name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
+            for name, st in states.items()
+        },
+    }
 
 
 def run(args):

@@ -1,5 +1,6 @@
 """DCP checkpointing of a zrw FSDP2 model and DDP with released weights: real 2-rank runs (gloo on
 CPU) of tests/fsdp/dcp_ddp_worker.py (ranks 0 and 1): one launch runs both tasks."""
+
 import io
 import os
 

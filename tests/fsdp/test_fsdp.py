@@ -4,6 +4,7 @@ One launch of tests/fsdp/fsdp_worker.py (ranks 0 and 1) runs every configuration
 the other (RUNS); each test compares what rank 0 wrote with the single-process zrw run on the
 same global batch and with FSDP2's plain BF16 all-gather of the same model. Bytes are counted by
 the worker's own wrapper of the process group's all-gather (not by zrw)."""
+
 import subprocess
 import sys
 
@@ -31,15 +32,18 @@ RUNS = {}
 for _recipe in RECIPES:
     for _mode in ("zrw", "bf16", "single"):
         RUNS[f"{_recipe}_{_mode}"] = f"{recipe_args(_recipe)} --mode {_mode} {SGD}"
-RUNS.update({
-    "ref": "--recipe mxfp8 --mode zrw",
-    "ckpt": "--recipe mxfp8 --mode zrw --checkpoint --both-planes",
-    "keep": "--recipe mxfp8 --mode zrw --no-reshard --both-planes",
-})
+RUNS.update(
+    {
+        "ref": "--recipe mxfp8 --mode zrw",
+        "ckpt": "--recipe mxfp8 --mode zrw --checkpoint --both-planes",
+        "keep": "--recipe mxfp8 --mode zrw --no-reshard --both-planes",
+    }
+)
 for _moe in ("", "_moe"):  # fc1 has 48 rows: 24 per rank, not whole 32-row blocks
     for _mode in ("zrw", "bf16"):
-        RUNS[f"uneven{_moe}_{_mode}"] = (f"--recipe mxfp8 --hidden 48 --mode {_mode}"
-                                         + (" --moe" if _moe else ""))
+        RUNS[f"uneven{_moe}_{_mode}"] = f"--recipe mxfp8 --hidden 48 --mode {_mode}" + (
+            " --moe" if _moe else ""
+        )
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +67,20 @@ def test_fp8_all_gather_matches_single_process_and_halves_bytes(runs, recipe):
         w = initial_weight(f"{name}.weight", args)
         rcp = zrw.get_recipe(recipe)  # its element format and scale rule
         if recipe == "mxfp8":
-            ref = dict(zip(("fwd_data", "fwd_scale"),
-                           zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2]))
+            ref = dict(
+                zip(
+                    ("fwd_data", "fwd_scale"),
+                    zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2],
+                )
+            )
         else:
             data, block = zrw.ops.mx_quantize_block(w, rcp.elem_dtype, rcp.scale_mode)
-            ref = {"fwd_data": data, "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
-                   "bwd_data": data, "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2)}
+            ref = {
+                "fwd_data": data,
+                "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
+                "bwd_data": data,
+                "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2),
+            }
         for k, v in ref.items():
             assert torch.equal(got[k], v.contiguous().view(torch.uint8)), (name, k)
 
@@ -87,8 +99,7 @@ def test_activation_checkpointing_and_no_reshard_need_both_planes(runs, tmp_path
         assert torch.equal(ckpt["weights"][n], ref["weights"][n]), n
     assert keep["losses"] == ref["losses"]
     # Without both planes, recompute finds only the backward plane: a clear error, not garbage.
-    procs, logs = ranks.launch(WORKER, tmp_path, "--mode", "zrw", "--checkpoint",
-                               expect_ok=False)
+    procs, logs = ranks.launch(WORKER, tmp_path, "--mode", "zrw", "--checkpoint", expect_ok=False)
     assert any(p.returncode != 0 for p in procs)
     assert any("both_planes=True" in log for log in logs), logs[0][-3000:]
 
@@ -126,8 +137,12 @@ dist.destroy_process_group()
 
 
 def test_prepare_after_fully_shard_is_refused_clearly():
-    r = subprocess.run([sys.executable, "-c", PREPARE_AFTER_SHARD % ranks.free_port()],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PREPARE_AFTER_SHARD % ranks.free_port()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RAISED" in r.stdout and "'0.weight' is already sharded" in r.stdout
     assert "before fully_shard" in r.stdout

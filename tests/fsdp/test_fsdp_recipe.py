@@ -7,6 +7,7 @@ FSDP2's plain BF16 all-gather of the same model (whose layers quantize the gathe
 their recipe), the gathered planes byte for byte with the single-process quantization of the
 full weight under the recipe, and the single-process run up to the order of the gradient
 reduction."""
+
 import pytest
 import torch
 
@@ -19,8 +20,12 @@ MODES = ("zrw", "bf16", "single")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    args = [a for recipe in fsdp_runs.TEST_RECIPES for mode in MODES
-            for a in ("--run", f"--recipe {recipe} --mode {mode} {ARGS}")]
+    args = [
+        a
+        for recipe in fsdp_runs.TEST_RECIPES
+        for mode in MODES
+        for a in ("--run", f"--recipe {recipe} --mode {mode} {ARGS}")
+    ]
     out = iter(ranks.launch(fsdp_runs.WORKER, tmp_path_factory.mktemp("recipe"), *args))
     return {recipe: {mode: next(out) for mode in MODES} for recipe in fsdp_runs.TEST_RECIPES}
 
@@ -41,9 +46,11 @@ def test_registered_e5m2_rceil_recipe_reaches_the_all_gather(runs, recipe):
         w = fsdp_runs.initial_weight(f"{name}.weight", args)
         if rcp.block_32x32:
             data, block = zrw.ops.mx_quantize_block(w, rcp.elem_dtype, rcp.scale_mode)
-            ref = {"fwd_data": data,
-                   "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
-                   "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2)}
+            ref = {
+                "fwd_data": data,
+                "fwd_scale": zrw.ops.expand_block_scale(block, w.shape, -1),
+                "bwd_scale": zrw.ops.expand_block_scale(block, w.shape, -2),
+            }
             builtin = zrw.ops.mx_quantize_block(w, torch.float8_e4m3fn, builtin_mode)[0]
         else:
             data, scale = zrw.ops.mx_quantize_dual(w, rcp.elem_dtype, rcp.scale_mode)[:2]

@@ -1,6 +1,7 @@
 """zrw.fsdp.prepare without a process group: which weights it wraps and what they carry, and the
 module structure that keeps zrw.fsdp and zrw.nn apart (a layer declares what it quantizes; the
 gathered weight is a zrw.planes.MXPlanesCarrier; the optimizer boundary calls fsdp back)."""
+
 import ast
 import pathlib
 import subprocess
@@ -40,9 +41,12 @@ def test_fsdp_and_the_layers_do_not_import_each_other():
     assert not {m for m in _imported_modules(PKG / "fsdp.py") if m.startswith("zrw.nn")}
     for layer_file in (PKG / "nn").glob("*.py"):
         assert "zrw.fsdp" not in _imported_modules(layer_file), layer_file.name
-    r = subprocess.run([sys.executable, "-c",
-                        "import sys, zrw.nn; print('zrw.fsdp' in sys.modules)"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, zrw.nn; print('zrw.fsdp' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
 
 
@@ -67,8 +71,15 @@ def _e5m2_rceil():
         @zrw.recipe_register(name)
         def _factory():
             g = zrw.config.ScalingGranularity
-            return zrw.QuantRecipe(name, g(mx, [1, 32, 32]), g(mx, [1, 1, 32]),
-                                   g(mx, [1, 1, 32]), torch.float8_e5m2, "rceil")
+            return zrw.QuantRecipe(
+                name,
+                g(mx, [1, 32, 32]),
+                g(mx, [1, 1, 32]),
+                g(mx, [1, 1, 32]),
+                torch.float8_e5m2,
+                "rceil",
+            )
+
     return zrw.get_recipe(name)
 
 
@@ -76,21 +87,20 @@ def test_prepare_finds_layers_by_their_declaration_and_carries_the_recipe():
     recipe = _e5m2_rceil()
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
     zrw.convert(model, recipe, release=False)
-    model.add_module("experts", zrw.nn.MXGroupedLinear(2, 32, 64, recipe=recipe,
-                                                        release=False))
+    model.add_module("experts", zrw.nn.MXGroupedLinear(2, 32, 64, recipe=recipe, release=False))
     model.add_module("custom", _DeclaredLayer(recipe.name))
     assert zrw.fsdp.prepare(model) == 5
     wrapped = {n: p for n, p in model.named_parameters() if isinstance(p.data, PreQuantWeight)}
-    assert sorted(wrapped) == ["0.weight", "2.weight", "custom.w1", "custom.w2",
-                               "experts.weight"]
+    assert sorted(wrapped) == ["0.weight", "2.weight", "custom.w1", "custom.w2", "experts.weight"]
     # (a Parameter of a wrapper subclass: isinstance of the Parameter itself)
     assert all(isinstance(p, PreQuantWeight) for p in wrapped.values())
     assert not isinstance(model.custom.plain, PreQuantWeight)
     for p in wrapped.values():
         assert p._mx_recipe == recipe  # the QuantRecipe itself, not the layout's name
         inner, meta = p.__tensor_flatten__()
-        again = PreQuantWeight.__tensor_unflatten__({"_tensor": p._tensor}, meta, p.shape,
-                                                    p.stride())
+        again = PreQuantWeight.__tensor_unflatten__(
+            {"_tensor": p._tensor}, meta, p.shape, p.stride()
+        )
         assert again._mx_recipe == recipe
     assert zrw.fsdp.prepare(model) == 0  # idempotent
 
@@ -102,8 +112,9 @@ def test_the_shard_quantization_uses_the_recipe():
     q = pq._quantized_shard(torch.bfloat16)
     assert q.recipe == "mxfp8-32x32" and q.fwd.data is q.bwd.data
     data, block = q.fwd.data, q.block_scale
-    ref_data, ref_block = zrw.ops.mx_quantize_block(w.to(torch.bfloat16), torch.float8_e5m2,
-                                                    "rceil")
+    ref_data, ref_block = zrw.ops.mx_quantize_block(
+        w.to(torch.bfloat16), torch.float8_e5m2, "rceil"
+    )
     assert data.dtype == torch.float8_e5m2
     assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
     assert torch.equal(block.view(torch.uint8), ref_block.view(torch.uint8))
@@ -111,14 +122,19 @@ def test_the_shard_quantization_uses_the_recipe():
 
 def test_the_gathered_weight_is_a_planes_carrier():
     recipe = _e5m2_rceil()
-    g = MXGatheredWeight(torch.Size((64, 96)), torch.bfloat16, torch.device("cpu"), recipe,
-                         "layer.weight")
+    g = MXGatheredWeight(
+        torch.Size((64, 96)), torch.bfloat16, torch.device("cpu"), recipe, "layer.weight"
+    )
     assert isinstance(g, MXPlanesCarrier) and g.zrw_name == "layer.weight"
     data, block = zrw.ops.mx_quantize_block(torch.randn(64, 96), torch.float8_e5m2, "rceil")
-    g._set_planes(MXWeight("mxfp8-32x32",
-                           MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -1)),
-                           MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -2))),
-                  "block")
+    g._set_planes(
+        MXWeight(
+            "mxfp8-32x32",
+            MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -1)),
+            MXPlane(data, zrw.ops.expand_block_scale(block, (64, 96), -2)),
+        ),
+        "block",
+    )
     q = g.mx_weight("fwd")
     assert q.recipe == "mxfp8-32x32" and q.fwd.data is data
 

@@ -16,6 +16,7 @@ modules that only one folder's tests use stay beside them: tests/npu/npu_standin
 torch_npu_wheel.py and npu_test_ops.py (whose path CMakeLists.txt and csrc/npu/npu_test_ops.cpp
 name), tests/hf/hf_models.py, and tests/mx_test_layer.py for the tests at the top of tests/.
 """
+
 import os
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

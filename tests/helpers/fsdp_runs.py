@@ -2,6 +2,7 @@
 2 ranks; fsdp_worker.py's --mode single on one) and what test_fsdp.py and test_fsdp_recipe.py
 compare: the worker's initial weights, and what must hold between an FP8 all-gather run, the
 BF16 all-gather run and the single-process run on the global batch."""
+
 import argparse
 import os
 
@@ -18,8 +19,8 @@ class Experts(nn.Module):
 
     def __init__(self, e, h, i):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h ** -0.5)
-        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i ** -0.5)
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h**-0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i**-0.5)
         self.act_fn = nn.SiLU()
 
     def forward(self, hidden, top_k_index, top_k_weights):  # BF16 reference path (unused)
@@ -41,8 +42,9 @@ class Net(nn.Module):
         if self.moe:
             logits = self.router(h).float()
             w, idx = torch.topk(logits.softmax(-1), 2, dim=-1)
-            h = h + self.experts(h.reshape(-1, h.shape[-1]), idx.reshape(-1, 2),
-                                 w.reshape(-1, 2).to(h.dtype)).reshape(h.shape)
+            h = h + self.experts(
+                h.reshape(-1, h.shape[-1]), idx.reshape(-1, 2), w.reshape(-1, 2).to(h.dtype)
+            ).reshape(h.shape)
         return h
 
 
@@ -66,9 +68,16 @@ def register_test_recipes():
     for name, block in TEST_RECIPES.items():
         if name in known_recipes():
             continue
-        recipe_register(name)(lambda name=name, block=block: QuantRecipe(
-            name=name, weight_granularity=mx(block), act_granularity=mx((1, 1, 32)),
-            grad_granularity=mx((1, 1, 32)), elem_dtype=torch.float8_e5m2, scale_mode="rceil"))
+        recipe_register(name)(
+            lambda name=name, block=block: QuantRecipe(
+                name=name,
+                weight_granularity=mx(block),
+                act_granularity=mx((1, 1, 32)),
+                grad_granularity=mx((1, 1, 32)),
+                elem_dtype=torch.float8_e5m2,
+                scale_mode="rceil",
+            )
+        )
 
 
 def build(args):
@@ -88,8 +97,9 @@ def build(args):
 
 def initial_weight(name, args):
     """The worker's initial full weight (same seed, same construction) in bf16."""
-    ns = argparse.Namespace(d=128, hidden=256, experts=4, moe="--moe" in args,
-                            recipe=args[args.index("--recipe") + 1])
+    ns = argparse.Namespace(
+        d=128, hidden=256, experts=4, moe="--moe" in args, recipe=args[args.index("--recipe") + 1]
+    )
     model = build(ns)
     return dict(model.named_parameters())[name].detach().to(torch.bfloat16)
 
@@ -107,8 +117,9 @@ def assert_trains_like_bf16_gather_and_single_process(z, b, s, args):
     # a difference of bf16 rounding (2^-8 relative) in the gradients, nothing more. The first
     # loss (before any update) differs only by the fp32 order of the loss's own reduction.
     assert abs(z["losses"][0] - s["losses"][0]) <= 1e-6 * abs(s["losses"][0])
-    torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(s["losses"]),
-                               rtol=1e-2, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(z["losses"]), torch.tensor(s["losses"]), rtol=1e-2, atol=0
+    )
     for n, w in z["weights"].items():
         moved = (s["weights"][n] - initial_weight(n, args).float()).abs().max()
         diff = (w - s["weights"][n]).abs().max()

@@ -3,6 +3,7 @@ zrw.optim.MasterWeights(AdamW) with the optimizer boundary attached (tests/nn/te
 test_bf16_free_step.py and their child processes). Tiny Qwen3 (dense) and Qwen3-MoE models are
 built from configs (transformers model classes, seeded random init, BF16 — no download).
 Importing this module skips the importing test module when transformers is not installed."""
+
 import warnings
 
 import pytest
@@ -29,15 +30,29 @@ def make_model(kind, seed=0, tie=False, vocab=VOCAB, hidden=64, layers=2):
     """A tiny Qwen3 / Qwen3-MoE: 2 layers, hidden 64, 2 query heads and 1 KV head of 32,
     MoE with 4 experts of 48 (top 2) in every layer. Same seed, same weights."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  max_position_embeddings=64, tie_word_embeddings=tie)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     if kind == "dense":
         model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **common))
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, **common))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                intermediate_size=96,
+                moe_intermediate_size=48,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                **common,
+            )
+        )
     return model.to(BF16).train()
 
 
@@ -51,14 +66,18 @@ def enable_checkpointing(model, mode):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     layers = model.model.layers
-    assert all(isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
-               for layer in layers)
+    assert all(
+        isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
+        for layer in layers
+    )
 
 
 def make_batches(steps, micro, seed=1, batch=2, seq=16, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(micro)]
-            for _ in range(steps)]
+    return [
+        [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(micro)]
+        for _ in range(steps)
+    ]
 
 
 def setup(kind, recipe, release=True, ckpt=None, lr=1e-3, seed=0, **model_kw):

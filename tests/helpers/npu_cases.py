@@ -2,6 +2,7 @@
 the shapes, layouts and formats each op is run on. tests/npu/test_adapter.py runs them through the
 adapter and the stand-ins; test_real_torch_npu.py replays the same calls against the real
 torch_npu's meta functions."""
+
 import torch
 
 from zrw import reference as ref
@@ -22,8 +23,16 @@ def weights(shape, dtype=torch.bfloat16, seed=0, specials=True):
     if specials and x.numel() >= 64:
         flat = x.view(-1)
         flat[:40] = 0.0
-        values = [448.0, -57344.0, 480.0, 1.9, 1e-40, 3e30 if dtype == torch.float32 else 6e4,
-                  float("inf"), float("nan")]
+        values = [
+            448.0,
+            -57344.0,
+            480.0,
+            1.9,
+            1e-40,
+            3e30 if dtype == torch.float32 else 6e4,
+            float("inf"),
+            float("nan"),
+        ]
         positions = torch.randperm(flat.numel() - 40, generator=gen)[: len(values)] + 40
         for p, v in zip(positions.tolist(), values):
             flat[p] = v

@@ -1,5 +1,6 @@
 """Comparing MX quantizations byte for byte, stable seeds and ids, and the CPU kernel builds this
 machine runs (shared by tests/ops/test_quantize.py and test_quantize_from_master.py)."""
+
 import zlib
 
 import torch
@@ -99,8 +100,13 @@ ISA_REQUIREMENTS = {
 # ------------------------------------------------------------------------------------------------
 # float8 as bytes (torch's comparisons do not understand float8)
 
-FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, E8M0, torch.float8_e4m3fnuz,
-              torch.float8_e5m2fnuz}
+FP8_DTYPES = {
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    E8M0,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+}
 
 
 def is_fp8(t):

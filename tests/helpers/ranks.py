@@ -2,6 +2,7 @@
 a free loopback port, rank 0 writing its results to a file the test loads. The workers import
 `helpers` through the PYTHONPATH they are given (helpers.child_env); their side of it (flags,
 process group, training loop) is helpers.worker."""
+
 import random
 import socket
 import subprocess
@@ -23,11 +24,28 @@ def launch(worker, tmp_path, *args, world=2, expect_ok=True):
     return what rank 0 saved; otherwise return (procs, logs) for the test to inspect."""
     out = str(tmp_path / f"r{random.randrange(1 << 30)}.pt")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, worker, "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--out", out, *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=child_env())
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                worker,
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--out",
+                out,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+        )
+        for r in range(world)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     if not expect_ok:
         return procs, logs

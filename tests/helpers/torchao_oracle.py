@@ -1,6 +1,7 @@
 """torchao 0.18's ``to_mx`` as an independent oracle of zrw.reference (tests/ops/
 test_reference_torchao.py lists where torchao departs from docs/design.md §3). Importing this module
 skips the importing test module when torchao is not installed."""
+
 import logging
 import warnings
 

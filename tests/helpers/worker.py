@@ -20,6 +20,7 @@ side: the test that launches the ranks and loads what rank 0 wrote.
   full(), full_weights(), masters_by_name()   what the tests compare, as plain FP32 tensors
   count_gathered_bytes()   the tests' own count of the all-gathered bytes
 """
+
 import argparse
 import contextlib
 import os
@@ -42,23 +43,31 @@ def parser(doc=None, *, world=2, recipe="mxfp8", steps=3, micro_batches=2, lr=1e
     ap.add_argument("--out", required=True)
     ap.add_argument("--recipe", default=recipe)
     ap.add_argument("--steps", type=int, default=steps)
-    ap.add_argument("--micro-batches", "--micro", dest="micro_batches", type=int,
-                    default=micro_batches)
+    ap.add_argument(
+        "--micro-batches", "--micro", dest="micro_batches", type=int, default=micro_batches
+    )
     ap.add_argument("--lr", type=float, default=lr)
-    ap.add_argument("--run", action="append", default=[], metavar="FLAGS",
-                    help="one run's flags on top of the command line's (repeatable): the runs "
-                         "go one after the other in one launch, rank 0 saves the list of their "
-                         "results; without --run, the command line's run")
+    ap.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="one run's flags on top of the command line's (repeatable): the runs "
+        "go one after the other in one launch, rank 0 saves the list of their "
+        "results; without --run, the command line's run",
+    )
     return ap
 
 
 def each_run(run, ap):
     """A body for main(): run(args) once per --run, with that run's flags parsed (by `ap`) on
     top of the command line's, the list of results; without --run, run(args) alone."""
+
     def body(args):
         if not args.run:
             return run(args)
         return [run(ap.parse_args(sys.argv[1:] + shlex.split(flags))) for flags in args.run]
+
     return body
 
 
@@ -81,9 +90,13 @@ def main(body, args, *, distributed=True, quiet=True, hf=False):
 
             transformers.logging.set_verbosity_error()
         if distributed:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port),
-                              RANK=str(args.rank), WORLD_SIZE=str(args.world),
-                              LOCAL_RANK=str(args.rank))
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(args.port),
+                RANK=str(args.rank),
+                WORLD_SIZE=str(args.world),
+                LOCAL_RANK=str(args.rank),
+            )
             dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
         out = body(args)
         if args.rank == 0:
@@ -120,8 +133,18 @@ def master_weights(params, lr, cls=torch.optim.AdamW, **kw):
     return zrw.optim.attach(zrw.optim.MasterWeights(cls, params, lr=lr, **kw))
 
 
-def train(opt, steps, micro_batches, loss_of, *, group=None, world=1, gathered=None,
-          context=None, after_backward=None):
+def train(
+    opt,
+    steps,
+    micro_batches,
+    loss_of,
+    *,
+    group=None,
+    world=1,
+    gathered=None,
+    context=None,
+    after_backward=None,
+):
     """For each step in `steps` (indices): for each micro-batch mb, loss_of(step, mb) (its loss)
     divided by micro_batches, backward; then opt.step() and opt.zero_grad().
 

@@ -2,6 +2,7 @@
 SFTTrainer (its own optimizer path, through optimizer_cls_and_kwargs): release on equals
 release off bit for bit (issue 20). Tiny Qwen3 from a config, a word-level tokenizer built in
 memory: nothing is downloaded."""
+
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ BF16 = torch.bfloat16
 
 def tiny_qwen3(seed=0):
     return hf_models.tiny_qwen3(seed, pad_token_id=126, eos_token_id=127)
+
+
 def data(n=8, seq=16):
     g = torch.Generator().manual_seed(3)
     return torch.randint(0, 120, (n, seq), generator=g)
@@ -78,8 +81,9 @@ def tokenizer():
     vocab = {f"t{i}": i for i in range(126)}
     vocab.update({"[PAD]": 126, "[EOS]": 127})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]",
-                                   unk_token="t0")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="t0"
+    )
 
 
 def sft_run(release, tmp_path):
@@ -90,12 +94,30 @@ def sft_run(release, tmp_path):
     model = tiny_qwen3()
     zrw.convert(model, release=release)
     ds = Dataset.from_dict({"input_ids": data(8).tolist()})
-    cfg = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
-                    gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3,
-                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                    data_seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=False)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer(),
-                         optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3}))
+    cfg = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bf16=False,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=ds,
+        processing_class=tokenizer(),
+        optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3}),
+    )
     trainer.train()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return logs, {k: v.detach().clone() for k, v in model.state_dict().items()}

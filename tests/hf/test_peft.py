@@ -4,6 +4,7 @@ the adapter saves and reloads; a frozen base released for good (release_frozen=T
 still gives a state dict (its dequantized FP8 values, with a warning, or a named error when
 asked) and merges after zrw.cache.restore_frozen; and merge_and_unload never leaves a stale
 FP8 copy in use."""
+
 import warnings
 
 import pytest
@@ -24,8 +25,9 @@ TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 def lora(model):
     torch.manual_seed(1)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
-                     init_lora_weights=False)  # random B: the adapter changes the output
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )  # random B: the adapter changes the output
     return get_peft_model(model, cfg)
 
 
@@ -124,8 +126,11 @@ def test_frozen_base_released_for_good(recipe, tmp_path):
     l_off, _ = train(off)
     on = build("convert-first", True, recipe, release_frozen=True)  # (clears the cache)
     l_on, _ = train(on)
-    frozen = [m.weight for n, m in on.named_modules() if isinstance(m, MXLinear)
-              and not m.weight.requires_grad]
+    frozen = [
+        m.weight
+        for n, m in on.named_modules()
+        if isinstance(m, MXLinear) and not m.weight.requires_grad
+    ]
     assert frozen and all(cache.cache_state(w) == "released_for_good" for w in frozen)
     assert torch.equal(l_on, l_off)
     with warnings.catch_warnings(record=True):
@@ -181,17 +186,32 @@ def test_lora_under_trainer_checkpoints(recipe, tmp_path):
     runs = {}
     for release in (False, True):
         model = build("convert-first", release, recipe, release_frozen=True)
-        args = TrainingArguments(output_dir=str(tmp_path / str(release)),
-                                 per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 max_steps=2, save_steps=2, max_grad_norm=1.0, report_to=[],
-                                 use_cpu=True, seed=0, logging_steps=1, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=Data(),
-                          optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-2}))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(release)),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            save_steps=2,
+            max_grad_norm=1.0,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            logging_steps=1,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Data(),
+            optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-2}),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
-        runs[release] = ([h["loss"] for h in trainer.state.log_history if "loss" in h],
-                         adapter(model))
+        runs[release] = (
+            [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            adapter(model),
+        )
     assert runs[True][0] == runs[False][0]
     for k, v in runs[False][1].items():
         assert torch.equal(runs[True][1][k], v), k
@@ -204,15 +224,30 @@ def test_parametrized_experts_warn():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                         max_position_embeddings=64)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     model = Qwen3MoeForCausalLM(cfg).to(BF16)
-    cfg = LoraConfig(r=4, target_modules=["q_proj"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    cfg = LoraConfig(
+        r=4,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     model = get_peft_model(model, cfg)
-    with pytest.warns(UserWarning, match=r"fused-experts module\(s\) under PEFT's LoRA on "
-                                         r"parameters.*cannot release"):
+    with pytest.warns(
+        UserWarning,
+        match=r"fused-experts module\(s\) under PEFT's LoRA on "
+        r"parameters.*cannot release",
+    ):
         summary = zrw.convert(model)
     assert any("target_parameters" in why for why in summary.skipped.values())

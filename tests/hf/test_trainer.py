@@ -6,6 +6,7 @@ for bit what release off gives (losses, gradient norms, final weights, the check
 checkpoint loads into a plain (unconverted) model. With the Trainer's own default optimizer
 zrw releases nothing (no optimizer with the zrw boundary owns the weights), warns once naming
 the fix, and trains exactly as release off."""
+
 import json
 import warnings
 
@@ -35,11 +36,25 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def args(out, **kw):
-    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                max_steps=4, max_grad_norm=1.0, learning_rate=1e-3, weight_decay=0.1,
-                logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
-                use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
-                disable_tqdm=True, lr_scheduler_type="linear")
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        lr_scheduler_type="linear",
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -57,10 +72,10 @@ def train(out, release, how="cls", resume=None, max_steps=4, recipe="mxfp8"):
         kw["optimizer_cls_and_kwargs"] = (zrw.optim.AdamW, {"lr": 1e-3, "max_grad_norm": 1.0})
         extra["max_grad_norm"] = 0.0
     elif how == "instance":
-        kw["optimizers"] = (zrw.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
-                            None)
-    trainer = Trainer(model=model, args=args(out, max_steps=max_steps, **extra),
-                      train_dataset=Tokens(), **kw)
+        kw["optimizers"] = (zrw.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), None)
+    trainer = Trainer(
+        model=model, args=args(out, max_steps=max_steps, **extra), train_dataset=Tokens(), **kw
+    )
     trainer.train(resume_from_checkpoint=resume)
     logs = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
     if how == "main_grad":
@@ -107,8 +122,7 @@ def test_trainer_with_main_grad_release_on_equals_off(tmp_path):
 def test_trainer_resume_is_bitwise_the_uninterrupted_run(tmp_path, how):
     full = train(tmp_path / "full", True, how)
     # A fresh process's view: a new model, converted, resumed from the run's step-2 checkpoint.
-    resumed = train(tmp_path / "resumed", True, how,
-                    resume=str(tmp_path / "full" / "checkpoint-2"))
+    resumed = train(tmp_path / "resumed", True, how, resume=str(tmp_path / "full" / "checkpoint-2"))
     for k in full[1]:
         assert torch.equal(resumed[1][k], full[1][k]), k
     assert resumed[0][:4] == full[0][:4]  # the history carries over from the checkpoint
@@ -134,9 +148,12 @@ def test_main_grad_under_trainer_is_consumed_each_step(tmp_path):
     cache.cache_clear()
     model = tiny_qwen3()
     zrw.convert(model, main_grad=True)
-    trainer = Trainer(model=model, args=args(tmp_path, max_grad_norm=0.0, save_strategy="no"),
-                      train_dataset=Tokens(),
-                      optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3}))
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, max_grad_norm=0.0, save_strategy="no"),
+        train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3}),
+    )
     seen = []
 
     class Probe(transformers.TrainerCallback):

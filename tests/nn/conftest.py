@@ -5,6 +5,7 @@ weights are restored first, so no test leaves a poisoned parameter behind). The 
 tiny: one intra-op thread is faster than two on the shared 2-core machine (no OpenMP spin-waits),
 and it keeps each test's arithmetic on one fixed thread count.
 """
+
 import pytest
 import torch
 

@@ -8,6 +8,7 @@ storage is given bytes after the first step; everything between steps keeps work
 leaving the mode); and MasterWeights never holds the BF16 gradients and their FP32 copies in
 full at once.
 """
+
 import copy
 import io
 import subprocess
@@ -38,8 +39,12 @@ from zrw.optim import MasterWeights, attach, detach
 
 
 def converted(model):
-    return [p for m in model.modules() for n in getattr(m, "zrw_quantized", ())
-            if isinstance(p := getattr(m, n, None), torch.Tensor)]
+    return [
+        p
+        for m in model.modules()
+        for n in getattr(m, "zrw_quantized", ())
+        if isinstance(p := getattr(m, n, None), torch.Tensor)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,8 +77,9 @@ def _branchy_run(recipe, release, keep_released, compiled):
         for m in model.modules():
             if isinstance(m, MXLinear):
                 m.release = False
-    opt = attach(MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2,
-                               keep_released=keep_released))
+    opt = attach(
+        MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2, keep_released=keep_released)
+    )
     fwd = torch.compile(model, backend="aot_eager") if compiled else model
     g = torch.Generator().manual_seed(8)
     losses, restored = [], []
@@ -230,8 +236,11 @@ def test_streaming_save_refuses_before_it_touches_the_file(tmp_path):
     assert cache.is_released(lin.weight)
     path = tmp_path / "old.safetensors"
     path.write_bytes(b"the old checkpoint")
-    with pytest.raises(RuntimeError, match=r"weight 'layer' \(weight\) is released and has no "
-                                           r"FP32 master"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"weight 'layer' \(weight\) is released and has no "
+        r"FP32 master",
+    ):
         zrw.checkpoint.save_safetensors(lin, str(path))
     assert path.read_bytes() == b"the old checkpoint"
     assert list(tmp_path.iterdir()) == [path]
@@ -250,11 +259,17 @@ def test_streaming_save_refuses_before_it_touches_the_file(tmp_path):
         def get_extra_state(self):
             return self.extra
 
-    with pytest.raises(TypeError, match=r"'z' has dtype torch.complex64, which safetensors "
-                                        r"cannot hold \(supported: .*torch.bfloat16"):
+    with pytest.raises(
+        TypeError,
+        match=r"'z' has dtype torch.complex64, which safetensors "
+        r"cannot hold \(supported: .*torch.bfloat16",
+    ):
         zrw.checkpoint.save_safetensors(Odd(torch.ones(1)), str(path))
-    with pytest.raises(TypeError, match=r"state-dict entry '_extra_state' must be a tensor, "
-                                        r"got dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"state-dict entry '_extra_state' must be a tensor, "
+        r"got dict",
+    ):
         zrw.checkpoint.save_safetensors(Odd({"step": 3}), str(path))
     assert path.read_bytes() == b"the old checkpoint"
     assert list(tmp_path.iterdir()) == [path]
@@ -312,8 +327,10 @@ def test_load_state_dict_into_a_frozen_weight_released_for_good(recipe):
     torch.manual_seed(5)
 
     def net():
-        m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False, dtype=BF16),
-                                torch.nn.Linear(64, 32, bias=False, dtype=BF16))
+        m = torch.nn.Sequential(
+            torch.nn.Linear(64, 64, bias=False, dtype=BF16),
+            torch.nn.Linear(64, 32, bias=False, dtype=BF16),
+        )
         zrw.convert(m, recipe, release_frozen=True)
         m[0].weight.requires_grad_(False)
         return m
@@ -325,8 +342,7 @@ def test_load_state_dict_into_a_frozen_weight_released_for_good(recipe):
     opt.step()
     assert cache.cache_state(model[0].weight) == "released_for_good"  # released for good
     assert cache.cache_state(model[1].weight) == "released"  # released, pending from its master
-    new = {"0.weight": torch.randn(64, 64, dtype=BF16),
-           "1.weight": torch.randn(32, 64, dtype=BF16)}
+    new = {"0.weight": torch.randn(64, 64, dtype=BF16), "1.weight": torch.randn(32, 64, dtype=BF16)}
     model.load_state_dict(new)
     assert cache.cache_state(model[0].weight) == "none"
     assert torch.equal(model[0].weight, new["0.weight"])
@@ -399,8 +415,11 @@ def test_leaving_the_mode_brings_bf16_weights_back_exactly(leave):
     else:
         detach(opt)
     assert cache.cache_stats()["released"] == 0
-    assert_same_weights({n: p.detach() for n, p in free.named_parameters()},
-                        {n: p.detach() for n, p in off.named_parameters()}, leave)
+    assert_same_weights(
+        {n: p.detach() for n, p in free.named_parameters()},
+        {n: p.detach() for n, p in off.named_parameters()},
+        leave,
+    )
 
 
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
@@ -436,8 +455,13 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     # The uninterrupted run and the run up to the checkpoint in one process (one start instead
     # of two), the resume in another: fresh, it has nothing but the checkpoint.
     for modes in (("full", "first"), ("resume",)):
-        r = subprocess.run([sys.executable, "-c", script, ",".join(modes), path],
-                           capture_output=True, text=True, timeout=300, env=child_env())
+        r = subprocess.run(
+            [sys.executable, "-c", script, ",".join(modes), path],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_env(),
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     full = torch.load(path + ".full", weights_only=True)
     first = torch.load(path + ".first", weights_only=True)
@@ -483,8 +507,9 @@ def test_optimizer_with_its_own_masters_uses_the_hook():
         g = torch.Generator().manual_seed(3)
         losses = []
         for _ in range(4):
-            loss = F.mse_loss(model(torch.randn(8, 64, generator=g).to(BF16)).float(),
-                              torch.zeros(8, 64))
+            loss = F.mse_loss(
+                model(torch.randn(8, 64, generator=g).to(BF16)).float(), torch.zeros(8, 64)
+            )
             loss.backward()
             losses.append(loss.detach())
             opt.step()
@@ -497,8 +522,9 @@ def test_optimizer_with_its_own_masters_uses_the_hook():
     assert torch.equal(runs[0][0], runs[1][0])
     assert_same_weights(runs[0][1], runs[1][1], "own masters")
     with pytest.raises(ValueError, match="own_masters=True .* fill must be None"):
-        attach(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1), "dequant",
-               own_masters=True)
+        attach(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1), "dequant", own_masters=True
+        )
 
 
 def test_master_weights_never_holds_bf16_and_fp32_gradients_in_full():
@@ -524,8 +550,11 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="keep_released must be a bool, got str"):
         MasterWeights(torch.optim.SGD, [w], lr=1, keep_released="yes")
     cache.quant_and_release(w)
-    with pytest.raises(RuntimeError, match=r"source 0 of released weight .* must be its float32 "
-                                         r"master .* got BFloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"source 0 of released weight .* must be its float32 "
+        r"master .* got BFloat16",
+    ):
         cache.assign_weights([w], [torch.zeros(64, 64, dtype=BF16)], keep_released=True)
     assert cache.is_released(w) and cache.cache_stats()["fp8_bytes"] > 0  # nothing changed
     with pytest.raises(TypeError, match="keep_released must be a bool"):
@@ -553,8 +582,7 @@ def test_failed_quantization_from_the_master_loses_nothing(recipe):
     assert cache.cache_stats()["pending"] == 1 and cache.cache_stats()["restored"] == 0
     q = cache.quant_and_release(w, recipe)  # the retry quantizes the master's values
     bf16 = master.to(BF16)
-    ref = (zrw.ops.mx_quantize_dual(bf16) if recipe == "mxfp8"
-           else zrw.ops.mx_quantize_block(bf16))
+    ref = zrw.ops.mx_quantize_dual(bf16) if recipe == "mxfp8" else zrw.ops.mx_quantize_block(bf16)
     assert torch.equal(q.fwd.data.view(torch.uint8), ref[0].view(torch.uint8))
     # Out of memory in the restore that leaves the mode: nothing changes, the retry is exact.
     with testing.fail_allocations(min_bytes=256 * 256, count=1):

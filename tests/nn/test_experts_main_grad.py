@@ -1,6 +1,7 @@
 """Megatron-style FP32 gradients for expert stacks: zrw.convert(model, main_grad=True) makes the
 fused experts accumulate their weight gradient in FP32 `main_grad` (no `.grad`), as MXLinear
 does; MasterWeights steps with it and zero_grad clears it."""
+
 import pytest
 import torch
 
@@ -13,25 +14,40 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 def make(main_grad):
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, intermediate_size=96, moe_intermediate_size=64,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        tie_word_embeddings=False)).to(torch.bfloat16).train()
+    model = (
+        Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                vocab_size=64,
+                hidden_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=32,
+                intermediate_size=96,
+                moe_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                tie_word_embeddings=False,
+            )
+        )
+        .to(torch.bfloat16)
+        .train()
+    )
     zrw.convert(model, "mxfp8", main_grad=main_grad)
     return model
 
 
 def test_experts_accumulate_fp32_main_grad():
-    ids = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s))
-           for s in (1, 2)]
+    ids = [
+        torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
     runs = {}
     for main_grad in (False, True):
         model = make(main_grad)
         experts = next(m for m in model.modules() if isinstance(m, MXFusedExperts))
         assert experts.main_grad is main_grad
-        opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.SGD, model.parameters(),
-                                                       lr=0.1))
+        opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.SGD, model.parameters(), lr=0.1))
         before = experts.down_proj.detach().clone()
         for x in ids:  # two micro-batches: the second accumulates into main_grad
             model(input_ids=x, labels=x).loss.backward()
@@ -53,5 +69,6 @@ def test_experts_accumulate_fp32_main_grad():
         zrw.cache.cache_clear()
     for name, g in runs[False].items():
         # The same MX products, summed in FP32 rather than rounded to BF16 per micro-batch.
-        torch.testing.assert_close(runs[True][name], g, rtol=2 ** -7,
-                                   atol=2 ** -7 * g.abs().max().item())
+        torch.testing.assert_close(
+            runs[True][name], g, rtol=2**-7, atol=2**-7 * g.abs().max().item()
+        )

@@ -14,6 +14,7 @@ bitwise; the GEMMs are compared with the exact (float64) product of the dequanti
 allowing only FP32 accumulation error plus the final rounding to the output dtype — a bound
 tight enough that a plain BF16 GEMM (no MX) fails it, which the tests check too.
 """
+
 import copy
 import io
 
@@ -60,7 +61,8 @@ def _bytes(t):
 
 def assert_bitwise(got, want, what):
     assert got.dtype == want.dtype and got.shape == want.shape, (
-        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}")
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
     if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
         got, want = _bytes(got), _bytes(want)
     assert torch.equal(got, want), f"{what}: not bitwise equal"
@@ -71,8 +73,12 @@ def ref_weight_planes(w, recipe):
     if recipe == "mxfp8":
         return ref.mx_quantize_dual(w, E4M3, SCALE_MODE)
     data, block = ref.mx_quantize_block(w, E4M3, SCALE_MODE)
-    return (data, ref.expand_block_scale(block, w.shape, -1), data,
-            ref.expand_block_scale(block, w.shape, -2))
+    return (
+        data,
+        ref.expand_block_scale(block, w.shape, -1),
+        data,
+        ref.expand_block_scale(block, w.shape, -2),
+    )
 
 
 def dq(data, scale, dim):
@@ -132,8 +138,7 @@ _OWNERS = []
 
 def _owned(module):
     """module, its parameters owned by an optimizer with the zrw boundary (kept alive here)."""
-    _OWNERS.append(zrw.optim.attach(torch.optim.SGD(module.parameters(), lr=0.0),
-                                    fill="dequant"))
+    _OWNERS.append(zrw.optim.attach(torch.optim.SGD(module.parameters(), lr=0.0), fill="dequant"))
     return module
 
 
@@ -234,8 +239,9 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
             assert_bitwise(got_t, want_t, f"{gemm} operand {i}")
     assert fwd[4] == BF16 and dgrad[4] == BF16 and wgrad[4] == BF16
 
-    q = cache.quant_and_release(layer.weight, recipe, name="probe",
-                                scale_mode=SCALE_MODE)  # a hit: the cached copy
+    q = cache.quant_and_release(
+        layer.weight, recipe, name="probe", scale_mode=SCALE_MODE
+    )  # a hit: the cached copy
     assert_bitwise(q.fwd.data, wf, "cached fwd data")
     assert_bitwise(q.fwd.scale, sf, "cached fwd scale")
     assert_bitwise(q.bwd.data, wb, "cached bwd data")
@@ -246,9 +252,11 @@ def test_mxlinear_gemm_operands_are_the_reference_planes(recipe, monkeypatch):
     assert not wgrad[0].is_contiguous() and not wgrad[2].is_contiguous()
     if recipe == "mxfp8-32x32":
         assert q.fwd.data is q.bwd.data or q.fwd.data.data_ptr() == q.bwd.data.data_ptr(), (
-            "the 32x32 recipe keeps one FP8 copy for both directions")
-        assert_bitwise(q.block_scale, ref.mx_quantize_block(w, E4M3, SCALE_MODE)[1],
-                       "cached block scale")
+            "the 32x32 recipe keeps one FP8 copy for both directions"
+        )
+        assert_bitwise(
+            q.block_scale, ref.mx_quantize_block(w, E4M3, SCALE_MODE)[1], "cached block scale"
+        )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -269,14 +277,20 @@ def test_mxlinear_saves_fp8_not_bf16(recipe):
     assert saved, "nothing saved for backward?"
     for t in saved:
         assert t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu), (
-            f"a {t.dtype} tensor of shape {tuple(t.shape)} was saved for backward")
+            f"a {t.dtype} tensor of shape {tuple(t.shape)} was saved for backward"
+        )
     qxm, sxm = ref.mx_quantize(x.detach(), 0, E4M3, SCALE_MODE)
     _, _, wb, sb = ref_weight_planes(w, recipe)
     # Q_M(x)'s scale and W_bwd's scale are both (2, 70) here: match them as a multiset.
     left = list(saved)
     for name, want in [("Q_M(x)", qxm), ("Q_M(x) scale", sxm), ("W_bwd", wb), ("W_bwd scale", sb)]:
-        match = [t for t in left if t.dtype == want.dtype and t.shape == want.shape
-                 and torch.equal(_bytes(t), _bytes(want))]
+        match = [
+            t
+            for t in left
+            if t.dtype == want.dtype
+            and t.shape == want.shape
+            and torch.equal(_bytes(t), _bytes(want))
+        ]
         assert match, f"{name} (bitwise the spec's) is not among the saved tensors"
         left.remove(match[0])
     assert not left, f"unexpected saved tensors: {[(t.dtype, tuple(t.shape)) for t in left]}"
@@ -426,7 +440,8 @@ def test_checkpoint_recompute_identical_and_hits_cache(recipe, mode):
 
     y0, g0, b0, a0 = _block_grads(base, x, dy, "none")
     assert a0["hits"] == b0["hits"] and a0["misses"] == b0["misses"], (
-        "without recompute the backward never looks a weight up")
+        "without recompute the backward never looks a weight up"
+    )
     y1, g1, before, after = _block_grads(ckpt, x, dy, mode)
 
     assert_bitwise(y1, y0, "output")
@@ -454,7 +469,8 @@ def test_reentrant_checkpoint_still_releases_weights(recipe):
     released = all(cache.is_released(m.weight) for m in (block.fc1, block.fc2))
     assert st["released"] == 2 and released, (
         f"reentrant checkpoint released nothing in a training step: entries {statuses}, "
-        f"released_bytes {st['released_bytes']} (expected {2 * (96 * 70 + 33 * 96)})")
+        f"released_bytes {st['released_bytes']} (expected {2 * (96 * 70 + 33 * 96)})"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -462,8 +478,10 @@ def test_reentrant_checkpoint_still_releases_weights(recipe):
 
 
 def _microbatches(n, in_f=70, out_f=33, seed=60):
-    return [(_data(3, 15, in_f, seed=seed + 2 * i), _data(3, 15, out_f, seed=seed + 2 * i + 1))
-            for i in range(n)]
+    return [
+        (_data(3, 15, in_f, seed=seed + 2 * i), _data(3, 15, out_f, seed=seed + 2 * i + 1))
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -519,8 +537,9 @@ def test_main_grad_accumulates_fp32(recipe):
 
 def test_master_weights_steps_on_main_grad():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(70, 96, dtype=BF16), torch.nn.GELU(),
-                                torch.nn.Linear(96, 33, dtype=BF16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(70, 96, dtype=BF16), torch.nn.GELU(), torch.nn.Linear(96, 33, dtype=BF16)
+    )
     summary = zrw.convert(model, "mxfp8", main_grad=True)
     assert summary.converted == ["0", "2"] and all(model[i].main_grad for i in (0, 2))
     opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.SGD, model.parameters(), lr=1.0))
@@ -531,8 +550,9 @@ def test_master_weights_steps_on_main_grad():
     main = [w.main_grad.clone() for w in weights]
     assert all(w.grad is None for w in weights)
     params = list(model.parameters())
-    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad.float()
-             for p in params]
+    grads = [
+        p.main_grad if getattr(p, "main_grad", None) is not None else p.grad.float() for p in params
+    ]
     opt.step()
     assert all(p.grad is None for p in params), "the step consumes the BF16 gradients"
     sd = model.state_dict()  # the released weights materialized from their masters

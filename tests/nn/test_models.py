@@ -8,6 +8,7 @@ and weights, with and without activation checkpointing); MX gradients point wher
 learnable task trains as well as BF16; checkpoints round-trip bitwise, also mid-step; the
 converted model runs under torch.compile; convert's summary matches what the cache releases.
 """
+
 import functools
 import io
 
@@ -36,8 +37,11 @@ def converted_weight_names(summary):
     """State-dict names of the weights convert() put on the MX path."""
     names = []
     for mod in summary.converted:
-        names += ([f"{mod}.gate_up_proj", f"{mod}.down_proj"] if mod.endswith("experts")
-                  else [f"{mod}.weight"])
+        names += (
+            [f"{mod}.gate_up_proj", f"{mod}.down_proj"]
+            if mod.endswith("experts")
+            else [f"{mod}.weight"]
+        )
     return names
 
 
@@ -59,8 +63,11 @@ def _plain_run(kind, recipe):
     return out
 
 
-@pytest.mark.parametrize("ckpt", [None, "non_reentrant", "reentrant"],
-                         ids=["no_ckpt", "ckpt_non_reentrant", "ckpt_reentrant"])
+@pytest.mark.parametrize(
+    "ckpt",
+    [None, "non_reentrant", "reentrant"],
+    ids=["no_ckpt", "ckpt_non_reentrant", "ckpt_reentrant"],
+)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_release_on_off_bitwise(kind, recipe, ckpt):
@@ -110,7 +117,8 @@ def test_reentrant_checkpointing_releases_weights():
     st = cache.cache_stats()
     assert st["released_bytes"] == summary.release_bytes, (
         f"released {st['released_bytes']} of {summary.release_bytes} bytes; skips: "
-        f"no_grad={st['skip_no_grad']}")
+        f"no_grad={st['skip_no_grad']}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,8 +158,10 @@ def _first_step_grads(model, step, **route):
 
 
 def _cosines(g_a, g_b, names):
-    return {n: F.cosine_similarity(g_a[n].float().flatten(), g_b[n].float().flatten(),
-                                   dim=0).item() for n in names}
+    return {
+        n: F.cosine_similarity(g_a[n].float().flatten(), g_b[n].float().flatten(), dim=0).item()
+        for n in names
+    }
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -170,8 +180,9 @@ def test_first_step_weight_grads_match_bf16(kind, recipe):
     and the expert stacks to 0.95 (the routing-flip effect, not a numerics error)."""
     step = make_batches(1, MICRO, seed=2)[0]
     record = {}
-    g_bf16 = _first_step_grads(make_model(kind), step, **({"record": record} if kind == "moe"
-                                                          else {}))
+    g_bf16 = _first_step_grads(
+        make_model(kind), step, **({"record": record} if kind == "moe" else {})
+    )
     mx = make_model(kind)
     summary = zrw.convert(mx, recipe)
     names = converted_weight_names(summary)
@@ -187,8 +198,10 @@ def test_first_step_weight_grads_match_bf16(kind, recipe):
         zrw.convert(mx, recipe)
     g_mx = _first_step_grads(mx, step)
     cos = _cosines(g_mx, g_bf16, names)
-    bound = {n: (0.95 if n.endswith(("gate_up_proj", "down_proj")) and "experts" in n else 0.99)
-             for n in names}
+    bound = {
+        n: (0.95 if n.endswith(("gate_up_proj", "down_proj")) and "experts" in n else 0.99)
+        for n in names
+    }
     low = {n: round(c, 4) for n, c in cos.items() if not c >= bound[n]}
     assert not low, f"weight gradients with cosine similarity below bound to BF16's: {low}"
 
@@ -214,8 +227,7 @@ def _learn(convert_recipe, batches):
     model = make_model("dense", vocab=64, layers=1)
     if convert_recipe is not None:
         zrw.convert(model, convert_recipe)
-    opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(),
-                                                   lr=3e-3))
+    opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(), lr=3e-3))
     losses = train(model, opt, batches)
     cache.cache_clear()
     return losses
@@ -233,7 +245,8 @@ def test_learnable_run_tracks_bf16():
         final = mx[-10:].mean().item()
         assert final < 0.7 * mx[0].item(), f"{recipe} did not learn: {mx[0]} -> {final}"
         assert abs(final - final_bf16) <= 0.05 * final_bf16, (
-            f"{recipe}: final loss {final:.4f} vs BF16 {final_bf16:.4f} (floor ~{floor:.2f})")
+            f"{recipe}: final loss {final:.4f} vs BF16 {final_bf16:.4f} (floor ~{floor:.2f})"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,7 +272,7 @@ def test_checkpoint_round_trip_resumes_bitwise(kind, recipe):
 
     model, opt, _ = setup(kind, recipe)
     first = train(model, opt, batches[:3])
-    assert torch.equal(first, full[:3 * MICRO])
+    assert torch.equal(first, full[: 3 * MICRO])
     # The BF16-free step keeps the weights released: state_dict materializes them.
     assert cache.cache_stats()["released"] == cache.cache_stats()["pending"] > 0
     buf = _save({"model": model.state_dict(), "optim": opt.state_dict()})
@@ -271,7 +284,7 @@ def test_checkpoint_round_trip_resumes_bitwise(kind, recipe):
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
     rest = train(model, opt, batches[3:])
-    assert torch.equal(rest, full[3 * MICRO:]), f"resumed losses differ:\n{rest}\n{full}"
+    assert torch.equal(rest, full[3 * MICRO :]), f"resumed losses differ:\n{rest}\n{full}"
     assert_same_weights(weights(model), w_full, "resumed vs uninterrupted")
 
 
@@ -296,8 +309,9 @@ def test_saving_released_weights_raises_zrw_error(kind):
     opt = zrw.optim.attach(torch.optim.AdamW(model.parameters()), fill="dequant")  # noqa: F841
     model(input_ids=ids, labels=ids).loss.backward()
     assert cache.cache_stats()["released_bytes"] == summary.release_bytes
-    with pytest.raises(RuntimeError,
-                       match=r"zrw: state_dict\(\) of '.+': weight\(s\) '.+' are released") as err:
+    with pytest.raises(
+        RuntimeError, match=r"zrw: state_dict\(\) of '.+': weight\(s\) '.+' are released"
+    ) as err:
         torch.save(model.state_dict(), io.BytesIO())
     named = str(err.value).split("'")[3]
     assert named in summary.released_weights, named
@@ -309,8 +323,9 @@ def test_saving_released_weights_raises_zrw_error(kind):
     # nothing else is poisoned
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    torch.save({n: p.detach() for n, p in state.items() if n not in summary.released_weights},
-               io.BytesIO())
+    torch.save(
+        {n: p.detach() for n, p in state.items() if n not in summary.released_weights}, io.BytesIO()
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -354,8 +369,9 @@ def test_mid_step_save_with_master_fill(kind, recipe):
 
 def _mlp(recipe):
     torch.manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96, dtype=BF16), torch.nn.GELU(),
-                                torch.nn.Linear(96, 64, dtype=BF16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 96, dtype=BF16), torch.nn.GELU(), torch.nn.Linear(96, 64, dtype=BF16)
+    )
     zrw.convert(model, recipe)
     return model
 
@@ -363,14 +379,17 @@ def _mlp(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_mlp_matches_eager(recipe):
     g = torch.Generator().manual_seed(8)
-    data = [(torch.randn(3, 16, 64, generator=g).to(BF16), torch.randn(3, 16, 64, generator=g))
-            for _ in range(3)]
+    data = [
+        (torch.randn(3, 16, 64, generator=g).to(BF16), torch.randn(3, 16, 64, generator=g))
+        for _ in range(3)
+    ]
     runs = []
     counters.clear()
     for compiled in (False, True):
         model = _mlp(recipe)
-        opt = zrw.optim.attach(zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(),
-                                                       lr=1e-2))
+        opt = zrw.optim.attach(
+            zrw.optim.MasterWeights(torch.optim.AdamW, model.parameters(), lr=1e-2)
+        )
         fwd = torch.compile(model, backend="aot_eager") if compiled else model
         losses = []
         for x, t in data:  # 3 steps of 2 microbatches
@@ -455,8 +474,9 @@ def test_weight_names_survive_deepcopy_and_pickling(kind):
     torch.save(model, buf)
     buf.seek(0)
     for copied in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
-        got = {n: cache.weight_name(p) for n, p in copied.named_parameters()
-               if cache.weight_name(p)}
+        got = {
+            n: cache.weight_name(p) for n, p in copied.named_parameters() if cache.weight_name(p)
+        }
         assert got == names
 
 
@@ -465,9 +485,11 @@ def test_convert_summary_matches_released_bytes(kind):
     model = make_model(kind)
     params_before = {n: p for n, p in model.named_parameters()}
     keys_before = list(model.state_dict())
-    expected_modules = [n for n, m in model.named_modules()
-                        if (type(m) is torch.nn.Linear and n != "lm_head")
-                        or type(m).__name__ == "Qwen3MoeExperts"]
+    expected_modules = [
+        n
+        for n, m in model.named_modules()
+        if (type(m) is torch.nn.Linear and n != "lm_head") or type(m).__name__ == "Qwen3MoeExperts"
+    ]
     summary = zrw.convert(model, "mxfp8")
 
     assert summary.converted == expected_modules

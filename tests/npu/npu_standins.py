@@ -261,6 +261,7 @@ class StandIns:
             outputs = impl(*args, **kwargs)
             self.records.append(Call(name, as_meta(args), as_meta(kwargs), signature(outputs)))
             return outputs
+
         return call
 
     def _log(self, name, **args):
@@ -270,12 +271,29 @@ class StandIns:
         return [args for op, args in self.calls if op == name][-1]
 
     # -- npu_dynamic_mx_quant -------------------------------------------------------------------
-    def npu_dynamic_mx_quant(self, input, *, axis=-1, round_mode="rint", dst_type=FP4_CODE,
-                             block_size=32, scale_alg=0, dst_type_max=0.0, max_low_bound=0.0,
-                             **extra):
+    def npu_dynamic_mx_quant(
+        self,
+        input,
+        *,
+        axis=-1,
+        round_mode="rint",
+        dst_type=FP4_CODE,
+        block_size=32,
+        scale_alg=0,
+        dst_type_max=0.0,
+        max_low_bound=0.0,
+        **extra,
+    ):
         op = "npu_dynamic_mx_quant"
-        self._log(op, shape=tuple(input.shape), axis=axis, round_mode=round_mode,
-                  dst_type=dst_type, block_size=block_size, scale_alg=scale_alg)
+        self._log(
+            op,
+            shape=tuple(input.shape),
+            axis=axis,
+            round_mode=round_mode,
+            dst_type=dst_type,
+            block_size=block_size,
+            scale_alg=scale_alg,
+        )
         _input(op, input, (torch.float16, torch.bfloat16, torch.float32), range(1, 8))
         elem = _fp8(op, dst_type)
         _rint(op, round_mode)
@@ -284,32 +302,50 @@ class StandIns:
         if input.dtype == torch.float32 and input.shape[axis] < 32:
             # torch_npu 2.13.0's docstring: float32 input needs block_size 32 and an axis of at
             # least 32 elements
-            raise StandInError(f"npu::{op}: a float32 input needs at least 32 elements along the "
-                               f"quantized axis, got {input.shape[axis]}")
+            raise StandInError(
+                f"npu::{op}: a float32 input needs at least 32 elements along the "
+                f"quantized axis, got {input.shape[axis]}"
+            )
         data, scale = ref.mx_quantize(input, axis, elem, _scale_mode(op, scale_alg))
         return _zero_nan_blocks(data, scale, axis), golden_pair(scale, axis)
 
     # -- npu_dynamic_mx_quant_with_dual_axis ----------------------------------------------------
-    def npu_dynamic_mx_quant_with_dual_axis(self, input, *, round_mode="rint", dst_type=FP4_CODE,
-                                            scale_alg=0, dst_type_max=0.0, **extra):
+    def npu_dynamic_mx_quant_with_dual_axis(
+        self, input, *, round_mode="rint", dst_type=FP4_CODE, scale_alg=0, dst_type_max=0.0, **extra
+    ):
         op = "npu_dynamic_mx_quant_with_dual_axis"
-        self._log(op, shape=tuple(input.shape), round_mode=round_mode, dst_type=dst_type,
-                  scale_alg=scale_alg)
+        self._log(
+            op,
+            shape=tuple(input.shape),
+            round_mode=round_mode,
+            dst_type=dst_type,
+            scale_alg=scale_alg,
+        )
         _input(op, input, (torch.float16, torch.bfloat16), range(2, 8))
         elem = _fp8(op, dst_type)
         _rint(op, round_mode)
         mode = _scale_mode(op, scale_alg)
         y1, s1 = ref.mx_quantize(input, -1, elem, mode)
         y2, s2 = ref.mx_quantize(input, -2, elem, mode)
-        return (_zero_nan_blocks(y1, s1, -1), golden_pair(s1, -1),
-                _zero_nan_blocks(y2, s2, -2), golden_pair(s2, -2))
+        return (
+            _zero_nan_blocks(y1, s1, -1),
+            golden_pair(s1, -1),
+            _zero_nan_blocks(y2, s2, -2),
+            golden_pair(s2, -2),
+        )
 
     # -- npu_dynamic_block_mx_quant -------------------------------------------------------------
-    def npu_dynamic_block_mx_quant(self, input, *, round_mode="rint", dst_type=FP4_CODE,
-                                   scale_alg=0, dst_type_max=0.0, **extra):
+    def npu_dynamic_block_mx_quant(
+        self, input, *, round_mode="rint", dst_type=FP4_CODE, scale_alg=0, dst_type_max=0.0, **extra
+    ):
         op = "npu_dynamic_block_mx_quant"
-        self._log(op, shape=tuple(input.shape), round_mode=round_mode, dst_type=dst_type,
-                  scale_alg=scale_alg)
+        self._log(
+            op,
+            shape=tuple(input.shape),
+            round_mode=round_mode,
+            dst_type=dst_type,
+            scale_alg=scale_alg,
+        )
         _input(op, input, (torch.float16, torch.bfloat16), (2, 3))
         elem = _fp8(op, dst_type)
         _rint(op, round_mode)
@@ -320,58 +356,97 @@ class StandIns:
         return _zero_nan_blocks(y, s1, -1), golden_pair(s1, -1), golden_pair(s2, -2)
 
     # -- npu_quant_matmul ------------------------------------------------------------------------
-    def npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
-                         output_dtype=None, x1_dtype=None, x2_dtype=None,
-                         pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
-                         y_scale=None, **extra):
+    def npu_quant_matmul(
+        self,
+        x1,
+        x2,
+        scale,
+        *,
+        offset=None,
+        pertoken_scale=None,
+        bias=None,
+        output_dtype=None,
+        x1_dtype=None,
+        x2_dtype=None,
+        pertoken_scale_dtype=None,
+        scale_dtype=None,
+        group_sizes=None,
+        y_scale=None,
+        **extra,
+    ):
         op = "npu_quant_matmul"
-        self._log(op, x1_shape=tuple(x1.shape), x2_shape=tuple(x2.shape),
-                  x1_ptr=x1.data_ptr(), x2_ptr=x2.data_ptr(),
-                  x1_transposed=_data_transposed(x1), x2_transposed=_data_transposed(x2),
-                  output_dtype=output_dtype, scale_dtype=scale_dtype,
-                  pertoken_scale_dtype=pertoken_scale_dtype, group_sizes=group_sizes)
+        self._log(
+            op,
+            x1_shape=tuple(x1.shape),
+            x2_shape=tuple(x2.shape),
+            x1_ptr=x1.data_ptr(),
+            x2_ptr=x2.data_ptr(),
+            x1_transposed=_data_transposed(x1),
+            x2_transposed=_data_transposed(x2),
+            output_dtype=output_dtype,
+            scale_dtype=scale_dtype,
+            pertoken_scale_dtype=pertoken_scale_dtype,
+            group_sizes=group_sizes,
+        )
         if scale_dtype != E8M0_CODE:
-            raise StandInError(f"npu::{op}: only MX mode (scale_dtype={E8M0_CODE}) is emulated, "
-                               f"got scale_dtype={scale_dtype}")
+            raise StandInError(
+                f"npu::{op}: only MX mode (scale_dtype={E8M0_CODE}) is emulated, "
+                f"got scale_dtype={scale_dtype}"
+            )
         if pertoken_scale_dtype != E8M0_CODE or pertoken_scale is None:
-            raise StandInError(f"npu::{op}: MX mode needs pertoken_scale (x1's scale) with "
-                               f"pertoken_scale_dtype={E8M0_CODE}, got {pertoken_scale_dtype}")
+            raise StandInError(
+                f"npu::{op}: MX mode needs pertoken_scale (x1's scale) with "
+                f"pertoken_scale_dtype={E8M0_CODE}, got {pertoken_scale_dtype}"
+            )
         if list(group_sizes or []) != [1, 1, 32]:
-            raise StandInError(f"npu::{op}: MX mode needs group_sizes=[1, 1, 32], "
-                               f"got {group_sizes}")
+            raise StandInError(
+                f"npu::{op}: MX mode needs group_sizes=[1, 1, 32], got {group_sizes}"
+            )
         if any(t is not None for t in (offset, bias, y_scale)):
             raise StandInError(f"npu::{op}: offset, bias and y_scale are not emulated")
         if output_dtype not in OUT_DTYPE_BY_CODE:
-            raise StandInError(f"npu::{op}: output_dtype={output_dtype}: MX mode outputs "
-                               "float16, bfloat16 or float32")
+            raise StandInError(
+                f"npu::{op}: output_dtype={output_dtype}: MX mode outputs "
+                "float16, bfloat16 or float32"
+            )
         for name, t, code in (("x1", x1, x1_dtype), ("x2", x2, x2_dtype)):
             if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or t.dim() != 2:
-                raise StandInError(f"npu::{op}: {name} must be a 2-d FP8 tensor, got {t.dtype} "
-                                   f"{tuple(t.shape)}")
+                raise StandInError(
+                    f"npu::{op}: {name} must be a 2-d FP8 tensor, got {t.dtype} {tuple(t.shape)}"
+                )
             if code is not None:
                 # torch_npu 2.13.0's meta function takes x1_dtype/x2_dtype only for dtypes torch
                 # lacks (FP4, HiFloat8), never for a native float8 tensor
-                raise StandInError(f"npu::{op}: pass {name}_dtype only when {name} is not a "
-                                   f"native PyTorch dtype, got {name}_dtype={code} for {t.dtype}")
+                raise StandInError(
+                    f"npu::{op}: pass {name}_dtype only when {name} is not a "
+                    f"native PyTorch dtype, got {name}_dtype={code} for {t.dtype}"
+                )
         (m, k), (k2, n) = x1.shape, x2.shape
         if k != k2:
             raise StandInError(f"npu::{op}: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)}: K")
         if k % 64:
             raise StandInError(f"npu::{op}: MX mode needs K divisible by 64, got K={k}")
-        for name, t, shape in (("pertoken_scale", pertoken_scale, (m, k // 64, 2)),
-                               ("scale", scale, (k // 64, n, 2))):
+        for name, t, shape in (
+            ("pertoken_scale", pertoken_scale, (m, k // 64, 2)),
+            ("scale", scale, (k // 64, n, 2)),
+        ):
             if t.dtype != torch.uint8 or tuple(t.shape) != shape:
-                raise StandInError(f"npu::{op}: {name} must be uint8 {shape}, got {t.dtype} "
-                                   f"{tuple(t.shape)}")
+                raise StandInError(
+                    f"npu::{op}: {name} must be uint8 {shape}, got {t.dtype} {tuple(t.shape)}"
+                )
         for name, data, s in (("x1", x1, pertoken_scale), ("x2", x2, scale)):
             # stricter than op-plugin, which takes other strides too: the adapter promises one
             # of these two
             if not (data.is_contiguous() or _data_transposed(data)):
-                raise StandInError(f"npu::{op}: {name} is neither contiguous nor transposed "
-                                   f"(strides {data.stride()})")
+                raise StandInError(
+                    f"npu::{op}: {name} is neither contiguous nor transposed "
+                    f"(strides {data.stride()})"
+                )
             if not _same_transpose(data, s):
-                raise StandInError(f"Input {name} tensor and scale tensor's transpose are not "
-                                   "same, please check input.")
+                raise StandInError(
+                    f"Input {name} tensor and scale tensor's transpose are not "
+                    "same, please check input."
+                )
         # out[m, n] = sum_j (sum_{k in block j} x1 x2) * x1Scale[m, j] * x2Scale[j, n]
         s1 = golden_unpair(pertoken_scale, 1, k // 32).view(torch.float8_e8m0fnu)  # (M, K/32)
         s2 = golden_unpair(scale, 0, k // 32).view(torch.float8_e8m0fnu)  # (K/32, N)

@@ -53,9 +53,16 @@ from zrw import reference as ref
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 U8 = torch.uint8
-MX_OPS = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block", "mx_quantize_from_master",
-          "mx_quantize_dual_from_master", "mx_quantize_block_from_master", "mx_dequantize",
-          "mx_matmul")
+MX_OPS = (
+    "mx_quantize",
+    "mx_quantize_dual",
+    "mx_quantize_block",
+    "mx_quantize_from_master",
+    "mx_quantize_dual_from_master",
+    "mx_quantize_block_from_master",
+    "mx_dequantize",
+    "mx_matmul",
+)
 
 
 def nan_block_mask(scale, dim, length):
@@ -86,6 +93,7 @@ def assert_bitwise_equal(got, expected, what=""):
 
 # ------------------------------------------------------------------------------------------------
 # one-axis quantization: npu_dynamic_mx_quant
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
@@ -194,6 +202,7 @@ def test_mx_quantize_block_refuses_float32(npu_pinned, adapter):
 # from an FP32 master: cast to param_dtype (one aten kernel), then the bf16/fp16 operators above
 # (torch_npu has no MX quantization that rounds fp32 on the way; docs/npu.md)
 
+
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
@@ -215,20 +224,31 @@ def test_from_master_is_cast_then_quantize(npu_ops, adapter, elem, mode, param_d
     # Every operator got the parameter (cast by aten), none the fp32 master: the fp32 dual-axis
     # fallback (two one-axis calls) and the block operator's fp32 refusal never apply.
     assert [c.op for c in npu_ops.records] == ["npu_dynamic_mx_quant"] * 2 + [
-        "npu_dynamic_mx_quant_with_dual_axis", "npu_dynamic_block_mx_quant"]
+        "npu_dynamic_mx_quant_with_dual_axis",
+        "npu_dynamic_block_mx_quant",
+    ]
     assert all(c.args[0].dtype == param_dtype for c in npu_ops.records)
 
 
 def test_from_master_argument_errors_name_the_argument(npu_pinned, adapter):
     master = master_weights((4, 64))
-    with pytest.raises(TypeError, match=r"zrw\.mx_quantize_from_master: master must be "
-                                        r"torch\.float32 \(the FP32 master weight\), got BFloat16"):
+    with pytest.raises(
+        TypeError,
+        match=r"zrw\.mx_quantize_from_master: master must be "
+        r"torch\.float32 \(the FP32 master weight\), got BFloat16",
+    ):
         adapter.mx_quantize_from_master(master.bfloat16(), -1, torch.bfloat16, E4M3, "floor")
-    with pytest.raises(TypeError, match=r"zrw\.mx_quantize_dual_from_master: param_dtype must be "
-                                        r"torch\.bfloat16 or torch\.float16, got Float"):
+    with pytest.raises(
+        TypeError,
+        match=r"zrw\.mx_quantize_dual_from_master: param_dtype must be "
+        r"torch\.bfloat16 or torch\.float16, got Float",
+    ):
         adapter.mx_quantize_dual_from_master(master, torch.float32, E4M3, "floor")
-    with pytest.raises(ValueError, match=r"zrw\.mx_quantize_block_from_master: master must be "
-                                         r"2-d \(N, K\) or 3-d"):
+    with pytest.raises(
+        ValueError,
+        match=r"zrw\.mx_quantize_block_from_master: master must be "
+        r"2-d \(N, K\) or 3-d",
+    ):
         adapter.mx_quantize_block_from_master(master[0], torch.bfloat16, E4M3, "floor")
     with pytest.raises(IndexError, match=r"zrw\.mx_quantize_from_master: dim must be in"):
         adapter.mx_quantize_from_master(master, 2, torch.float16, E4M3, "floor")
@@ -241,8 +261,9 @@ def test_from_master_argument_errors_name_the_argument(npu_pinned, adapter):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("elem", ELEMS, ids=dtype_id)
-@pytest.mark.parametrize("case", [((5, 70), -1), ((96, 6), 0), ((3, 40, 33), 1)],
-                         ids=lambda c: f"{c[0]}-dim{c[1]}")
+@pytest.mark.parametrize(
+    "case", [((5, 70), -1), ((96, 6), 0), ((3, 40, 33), 1)], ids=lambda c: f"{c[0]}-dim{c[1]}"
+)
 def test_mx_dequantize(adapter, case, elem, out_dtype):
     shape, dim = case
     gen = torch.Generator().manual_seed(7)
@@ -358,9 +379,18 @@ def test_mirror_schemas_are_zrw_schemas(adapter):
 
 
 @pytest.mark.skipif(torch_npu_loaded(), reason="expects the npu:: operators to be missing")
-@pytest.mark.parametrize("op", ["mx_quantize", "mx_quantize_dual", "mx_quantize_block",
-                                "mx_quantize_from_master", "mx_quantize_dual_from_master",
-                                "mx_quantize_block_from_master", "mx_matmul"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "mx_quantize",
+        "mx_quantize_dual",
+        "mx_quantize_block",
+        "mx_quantize_from_master",
+        "mx_quantize_dual_from_master",
+        "mx_quantize_block_from_master",
+        "mx_matmul",
+    ],
+)
 def test_the_npu_key_reaches_the_adapter(op):
     # With PrivateUse1 added to the thread's dispatch keys, CPU tensors dispatch to zrw's NPU
     # kernels; without torch_npu they stop at the operator lookup, which comes before any aten op
@@ -375,12 +405,18 @@ def test_the_npu_key_reaches_the_adapter(op):
         "mx_quantize_from_master": (x.float(), -1, torch.bfloat16, E4M3, "floor"),
         "mx_quantize_dual_from_master": (x.float(), torch.bfloat16, E4M3, "floor"),
         "mx_quantize_block_from_master": (x.float(), torch.float16, E4M3, "floor"),
-        "mx_matmul": (*ref.mx_quantize(x, -1, E4M3, "floor"),
-                      *ref.mx_quantize(x, -1, E4M3, "floor"), torch.float32),
+        "mx_matmul": (
+            *ref.mx_quantize(x, -1, E4M3, "floor"),
+            *ref.mx_quantize(x, -1, E4M3, "floor"),
+            torch.float32,
+        ),
     }[op]
     with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1):
-        with pytest.raises(RuntimeError, match=r"calls torch_npu's operator npu::npu_\w+, which is "
-                                               r"not registered.*torch_npu 2\.13\.0"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"calls torch_npu's operator npu::npu_\w+, which is "
+            r"not registered.*torch_npu 2\.13\.0",
+        ):
             getattr(torch.ops.zrw, op)(*args)
 
 
@@ -407,11 +443,20 @@ print(json.dumps({"zrw": zrw.__file__, "before": before, "after": after}))
 @pytest.fixture(scope="module")
 def registrations(tmp_path_factory):
     assert npu_test_ops.LIBRARY.exists(), "the test library is not built (npu_test_ops.py)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(zrw.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    r = subprocess.run([sys.executable, "-c", REGISTRATIONS, str(npu_test_ops.LIBRARY)],
-                       cwd=tmp_path_factory.mktemp("fresh"), env=env, capture_output=True,
-                       text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(zrw.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", REGISTRATIONS, str(npu_test_ops.LIBRARY)],
+        cwd=tmp_path_factory.mktemp("fresh"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["zrw"] == zrw.__file__  # the zrw under test, not another install

@@ -14,8 +14,13 @@ from zrw.backends import MX_OPS, NPU_OPERATORS
 def test_this_machine():
     b = zrw.backends()
     assert set(b) == {"cpu", "cuda", "npu"}
-    assert b["cpu"] == {"available": True, "kernels": list(MX_OPS), "isa": zrw._C.cpu_isa(),
-                        "gemm": zrw._C.cpu_gemm(), "native_bf16": zrw._C.cpu_native_bf16()}
+    assert b["cpu"] == {
+        "available": True,
+        "kernels": list(MX_OPS),
+        "isa": zrw._C.cpu_isa(),
+        "gemm": zrw._C.cpu_gemm(),
+        "native_bf16": zrw._C.cpu_native_bf16(),
+    }
     assert b["cuda"] == {"available": False, "kernels": []}
     npu = b["npu"]
     assert npu["kernels"] == list(MX_OPS)  # the adapter is built into zrw._C everywhere

@@ -121,8 +121,9 @@ def test_conversion_errors():
 def test_pad_k_keeps_values_and_orientation(column_major, k):
     gen = torch.Generator().manual_seed(k)
     rows = 5
-    base = torch.randint(0, 256, (k, rows) if column_major else (rows, k), generator=gen,
-                         dtype=torch.uint8).view(torch.float8_e4m3fn)
+    base = torch.randint(
+        0, 256, (k, rows) if column_major else (rows, k), generator=gen, dtype=torch.uint8
+    ).view(torch.float8_e4m3fn)
     data = base.t() if column_major else base  # (rows, k) either way
     k_padded = -(-k // 64) * 64
     padded = ops.pad_k(data, k_padded)

@@ -55,10 +55,12 @@ def wheel():
     try:
         path = torch_npu_wheel.obtain()
     except torch_npu_wheel.RegistryUnreachable as e:
-        pytest.skip(f"torch_npu {VERSION}'s wheel is not in the cache "
-                    f"{torch_npu_wheel.cache_dir()} and the package index cannot be reached "
-                    f"({str(e).splitlines()[0]}); the checks against the real torch_npu did "
-                    "not run")
+        pytest.skip(
+            f"torch_npu {VERSION}'s wheel is not in the cache "
+            f"{torch_npu_wheel.cache_dir()} and the package index cannot be reached "
+            f"({str(e).splitlines()[0]}); the checks against the real torch_npu did "
+            "not run"
+        )
     return torch_npu_wheel.Wheel(path)
 
 
@@ -95,8 +97,9 @@ def describe(schema):
     """What the adapter depends on in a schema, field by field (for a readable difference)."""
     return {
         "name": schema.name,
-        "arguments": [(a.name, str(a.type), repr(a.default_value), a.kwarg_only)
-                      for a in schema.arguments],
+        "arguments": [
+            (a.name, str(a.type), repr(a.default_value), a.kwarg_only) for a in schema.arguments
+        ],
         "returns": [str(r.type) for r in schema.returns],
     }
 
@@ -107,13 +110,17 @@ def test_stand_in_schema_is_the_real_one(wheel, name):
     assert name in real, f"torch_npu {VERSION} has no npu::{name}"
     ours = describe(torch._C.parse_schema(SCHEMAS[PINNED][name]))
     theirs = describe(torch._C.parse_schema(real[name]))
-    differ = [(o, t) for o, t in itertools.zip_longest(ours["arguments"], theirs["arguments"])
-              if o != t]
-    assert not differ, f"npu::{name}: arguments (name, type, default, keyword-only) of the " \
+    differ = [
+        (o, t) for o, t in itertools.zip_longest(ours["arguments"], theirs["arguments"]) if o != t
+    ]
+    assert not differ, (
+        f"npu::{name}: arguments (name, type, default, keyword-only) of the "
         f"stand-in vs torch_npu {VERSION}: {differ}"
+    )
     assert ours == theirs
-    assert str(torch._C.parse_schema(SCHEMAS[PINNED][name])) == \
-        str(torch._C.parse_schema(real[name]))
+    assert str(torch._C.parse_schema(SCHEMAS[PINNED][name])) == str(
+        torch._C.parse_schema(real[name])
+    )
 
 
 def test_the_adapter_calls_operators_torch_npu_registers(wheel, meta):
@@ -136,8 +143,11 @@ def test_dtype_codes(wheel, meta):
     assert meta.TORCH_NPU_DTYPE_TO_STRING_MAP[E8M0_CODE] == "torch_npu.float8_e8m0fnu"
     # every quantization operator's default dst_type is FP4
     assert codes["float4_e2m1fn_x2"] == FP4_CODE
-    for name in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
-                 "npu_dynamic_block_mx_quant"):
+    for name in (
+        "npu_dynamic_mx_quant",
+        "npu_dynamic_mx_quant_with_dual_axis",
+        "npu_dynamic_block_mx_quant",
+    ):
         schema = torch._C.parse_schema(wheel.custom_schemas()[name])
         assert [a.default_value for a in schema.arguments if a.name == "dst_type"] == [FP4_CODE]
     # the fp8 codes the stand-ins take: torch's (the adapter passes these) and torch_npu's own
@@ -166,6 +176,7 @@ def _matmul(a_layout, b_layout, k, mn, elems, out_dtypes):
         b, b_scale = cases.operand(cases.exact_values(n, k, seed=k + 1), b_layout, b_elem)
         for out_dtype in out_dtypes:
             adapter.mx_matmul(a, a_scale, b, b_scale, out_dtype)
+
     return run
 
 
@@ -178,52 +189,78 @@ def adapter_cases():
                 yield f"quantize-{shape}-dim{dim}-{e}-{mode}", _quantize(shape, dim, elem, mode)
     for dtype in (torch.float16, torch.float32):
         for dim in (-1, 0):
-            yield (f"quantize-{cases.OTHER_DTYPE_SHAPE}-dim{dim}-{cases.dtype_id(dtype)}",
-                   _quantize(cases.OTHER_DTYPE_SHAPE, dim, E4M3, "floor", dtype))
+            yield (
+                f"quantize-{cases.OTHER_DTYPE_SHAPE}-dim{dim}-{cases.dtype_id(dtype)}",
+                _quantize(cases.OTHER_DTYPE_SHAPE, dim, E4M3, "floor", dtype),
+            )
     for shape, dim in cases.FLOAT32_SHORT_AXIS_CASES:
-        yield (f"quantize-{shape}-dim{dim}-float32",
-               _quantize(shape, dim, E4M3, "floor", torch.float32))
-    yield ("quantize-transposed-input",
-           lambda adapter: adapter.mx_quantize(cases.weights((96, 70)).t(), 1, E4M3, "floor"))
+        yield (
+            f"quantize-{shape}-dim{dim}-float32",
+            _quantize(shape, dim, E4M3, "floor", torch.float32),
+        )
+    yield (
+        "quantize-transposed-input",
+        lambda adapter: adapter.mx_quantize(cases.weights((96, 70)).t(), 1, E4M3, "floor"),
+    )
     for shape in cases.DUAL_SHAPES:
         for elem, e in elems:
             for mode in cases.MODES:
-                yield (f"dual-{shape}-{e}-{mode}",
-                       lambda adapter, s=shape, el=elem, m=mode:
-                       adapter.mx_quantize_dual(cases.weights(s), el, m))
+                yield (
+                    f"dual-{shape}-{e}-{mode}",
+                    lambda adapter, s=shape, el=elem, m=mode: adapter.mx_quantize_dual(
+                        cases.weights(s), el, m
+                    ),
+                )
     for shape in (cases.DUAL_FLOAT32_SHAPE, (7, 20)):
-        yield (f"dual-{shape}-float32",
-               lambda adapter, s=shape:
-               adapter.mx_quantize_dual(cases.weights(s, torch.float32), E4M3, "rceil"))
+        yield (
+            f"dual-{shape}-float32",
+            lambda adapter, s=shape: adapter.mx_quantize_dual(
+                cases.weights(s, torch.float32), E4M3, "rceil"
+            ),
+        )
     for shape in cases.BLOCK_SHAPES:
         for elem, e in elems:
             for mode in cases.MODES:
-                yield (f"block-{shape}-{e}-{mode}",
-                       lambda adapter, s=shape, el=elem, m=mode:
-                       adapter.mx_quantize_block(cases.weights(s), el, m))
+                yield (
+                    f"block-{shape}-{e}-{mode}",
+                    lambda adapter, s=shape, el=elem, m=mode: adapter.mx_quantize_block(
+                        cases.weights(s), el, m
+                    ),
+                )
     for param_dtype in cases.PARAM_DTYPES:
         p = cases.dtype_id(param_dtype)
-        yield (f"from-master-{p}",
-               lambda adapter, pd=param_dtype: (
-                   adapter.mx_quantize_from_master(cases.master_weights(cases.FROM_MASTER_SHAPE),
-                                                   0, pd, E4M3, "floor"),
-                   adapter.mx_quantize_dual_from_master(
-                       cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E4M3, "rceil"),
-                   adapter.mx_quantize_block_from_master(
-                       cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E5M2, "floor")))
+        yield (
+            f"from-master-{p}",
+            lambda adapter, pd=param_dtype: (
+                adapter.mx_quantize_from_master(
+                    cases.master_weights(cases.FROM_MASTER_SHAPE), 0, pd, E4M3, "floor"
+                ),
+                adapter.mx_quantize_dual_from_master(
+                    cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E4M3, "rceil"
+                ),
+                adapter.mx_quantize_block_from_master(
+                    cases.master_weights(cases.FROM_MASTER_SHAPE), pd, E5M2, "floor"
+                ),
+            ),
+        )
     out_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     for k in cases.MATMUL_KS:
         for a_layout in cases.LAYOUTS:
             for b_layout in cases.LAYOUTS:
-                yield (f"matmul-{a_layout}-{b_layout}-k{k}",
-                       _matmul(a_layout, b_layout, k, cases.MATMUL_MN, cases.matmul_elems(k),
-                               out_dtypes))
+                yield (
+                    f"matmul-{a_layout}-{b_layout}-k{k}",
+                    _matmul(
+                        a_layout, b_layout, k, cases.MATMUL_MN, cases.matmul_elems(k), out_dtypes
+                    ),
+                )
     for k in cases.SINGLE_ROW_KS:
         for mn in cases.SINGLE_ROW_MN:
             for a_layout in ("rows", "t"):
                 for b_layout in ("rows", "t"):
-                    yield (f"matmul-{a_layout}-{b_layout}-k{k}-{mn}",
-                           _matmul(a_layout, b_layout, k, mn, (E4M3, E4M3), (torch.float32,)))
+                    yield (
+                        f"matmul-{a_layout}-{b_layout}-k{k}-{mn}",
+                        _matmul(a_layout, b_layout, k, mn, (E4M3, E4M3), (torch.float32,)),
+                    )
 
 
 ADAPTER_CASES = dict(adapter_cases())
@@ -245,7 +282,8 @@ def test_real_meta_functions_agree_with_the_stand_ins(meta, adapter, case):
         assert signature(real) == call.outputs, (
             f"npu::{call.op}({', '.join(map(describe_arg, call.args))}, "
             f"{ {k: describe_arg(v) for k, v in call.kwargs.items()} }): torch_npu {VERSION}'s "
-            f"meta function gives {signature(real)}, the stand-in {call.outputs}")
+            f"meta function gives {signature(real)}, the stand-in {call.outputs}"
+        )
     if adapter_error is not None:
         raise adapter_error
 
@@ -264,14 +302,18 @@ def test_the_fp4_default_is_what_the_stand_ins_refuse(meta, npu_pinned):
     functions = meta.functions
     y, scale = functions[("npu", "npu_dynamic_mx_quant")](x, dst_type=FP4_CODE)
     assert (y.dtype, tuple(y.shape)) == (torch.uint8, (8, 32))
-    assert signature(ignores_dst_type(torch.zeros(8, 64, dtype=torch.bfloat16))) == \
-        signature((y, scale))
+    assert signature(ignores_dst_type(torch.zeros(8, 64, dtype=torch.bfloat16))) == signature(
+        (y, scale)
+    )
     y1, _, y2, _ = functions[("npu", "npu_dynamic_mx_quant_with_dual_axis")](x, dst_type=FP4_CODE)
     y, _, _ = functions[("npu", "npu_dynamic_block_mx_quant")](x, dst_type=FP4_CODE)
     assert {(t.dtype, tuple(t.shape)) for t in (y1, y2, y)} == {(torch.uint8, (8, 32))}
     w = torch.zeros(8, 64, dtype=torch.bfloat16)
-    for op in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
-               "npu_dynamic_block_mx_quant"):
+    for op in (
+        "npu_dynamic_mx_quant",
+        "npu_dynamic_mx_quant_with_dual_axis",
+        "npu_dynamic_block_mx_quant",
+    ):
         with pytest.raises(StandInError, match=str(FP4_CODE)):
             getattr(torch.ops.npu, op)(w)
 
@@ -285,8 +327,10 @@ def test_the_real_matmul_meta_checks_pass_on_what_the_adapter_passes(meta, npu_p
     call = npu_pinned.records[-1]
     qmm = meta.functions[("npu", "npu_quant_matmul")]
     assert signature(qmm(*call.args, **call.kwargs)) == ((torch.float32, (4, 4)),)
-    broken = [dict(call.kwargs, scale_dtype=E8M0_CODE - 1),
-              dict(call.kwargs, pertoken_scale=as_meta(torch.zeros(4, 1, 2, dtype=torch.uint8)))]
+    broken = [
+        dict(call.kwargs, scale_dtype=E8M0_CODE - 1),
+        dict(call.kwargs, pertoken_scale=as_meta(torch.zeros(4, 1, 2, dtype=torch.uint8))),
+    ]
     for kwargs in broken:
         with pytest.raises(RuntimeError):
             qmm(*call.args, **kwargs)

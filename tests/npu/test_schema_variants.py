@@ -37,15 +37,18 @@ def run_all_ops(adapter, elem=E4M3, mode="floor"):
     """One call of every adapter op that reaches torch_npu; the results against the reference."""
     w = bf16(64, 96)
     got = adapter.mx_quantize(w, -1, elem, mode)
-    assert torch.equal(got[1].view(torch.uint8),
-                       ref.mx_quantize(w, -1, elem, mode)[1].view(torch.uint8))
+    assert torch.equal(
+        got[1].view(torch.uint8), ref.mx_quantize(w, -1, elem, mode)[1].view(torch.uint8)
+    )
     adapter.mx_quantize(w, 0, elem, mode)
     dual = adapter.mx_quantize_dual(w, elem, mode)
-    assert torch.equal(dual[0].view(torch.uint8),
-                       ref.mx_quantize_dual(w, elem, mode)[0].view(torch.uint8))
+    assert torch.equal(
+        dual[0].view(torch.uint8), ref.mx_quantize_dual(w, elem, mode)[0].view(torch.uint8)
+    )
     block = adapter.mx_quantize_block(w, elem, mode)
-    assert torch.equal(block[1].view(torch.uint8),
-                       ref.mx_quantize_block(w, elem, mode)[1].view(torch.uint8))
+    assert torch.equal(
+        block[1].view(torch.uint8), ref.mx_quantize_block(w, elem, mode)[1].view(torch.uint8)
+    )
     a, a_scale = ref.mx_quantize(w, -1, elem, mode)
     out = adapter.mx_matmul(a, a_scale, a, a_scale, torch.bfloat16)
     torch.testing.assert_close(out, ref.mx_matmul(a, a_scale, a, a_scale, torch.bfloat16))
@@ -70,8 +73,11 @@ def test_arguments_passed_by_name(npu_ops, adapter, elem, mode):
     quant = [args for op, args in npu_ops.calls if op == "npu_dynamic_mx_quant"]
     assert [c["axis"] for c in quant] == [-1, -2]  # (outer, D) along -1, (outer, D, inner) along -2
     assert [c["shape"] for c in quant] == [(64, 96), (1, 64, 96)]
-    for op in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
-               "npu_dynamic_block_mx_quant"):
+    for op in (
+        "npu_dynamic_mx_quant",
+        "npu_dynamic_mx_quant_with_dual_axis",
+        "npu_dynamic_block_mx_quant",
+    ):
         call = npu_ops.last(op)
         assert call["dst_type"] == code != FP4_CODE, op
         assert call["scale_alg"] == alg, op
@@ -109,62 +115,86 @@ def test_torch_npu_7x_has_no_mx_operators(adapter):
     with StandIns(SCHEMAS["7.x"]):
         for call, name in (
             (lambda: adapter.mx_quantize(w, -1, E4M3, "floor"), "npu_dynamic_mx_quant"),
-            (lambda: adapter.mx_quantize_dual(w, E4M3, "floor"),
-             "npu_dynamic_mx_quant_with_dual_axis"),
+            (
+                lambda: adapter.mx_quantize_dual(w, E4M3, "floor"),
+                "npu_dynamic_mx_quant_with_dual_axis",
+            ),
             (lambda: adapter.mx_quantize_block(w, E4M3, "floor"), "npu_dynamic_block_mx_quant"),
         ):
-            with pytest.raises(RuntimeError, match=rf"npu::{name}, which is not registered"
-                                                   r".*torch_npu 2\.13\.0 \(the release for "
-                                                   r"torch 2\.13"):
+            with pytest.raises(
+                RuntimeError,
+                match=rf"npu::{name}, which is not registered"
+                r".*torch_npu 2\.13\.0 \(the release for "
+                r"torch 2\.13",
+            ):
                 call()
         # 7.x's npu_quant_matmul exists, without MX mode's arguments
-        with pytest.raises(RuntimeError, match=r"npu::npu_quant_matmul has no argument "
-                                               r"'scale_dtype'.*installed schema"
-                                               r".*torch_npu 2\.13\.0"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"npu::npu_quant_matmul has no argument "
+            r"'scale_dtype'.*installed schema"
+            r".*torch_npu 2\.13\.0",
+        ):
             adapter.mx_matmul(a, a_scale, a, a_scale, torch.float32)
 
 
 def test_missing_scale_alg_is_fine_for_floor_only(adapter):
     # An operator without scale_alg quantizes with its documented default, floor (scale_alg=0).
-    schemas = {"npu_dynamic_mx_quant": (
-        'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", '
-        "int dst_type=296, int block_size=32) -> (Tensor, Tensor)")}
+    schemas = {
+        "npu_dynamic_mx_quant": (
+            'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", '
+            "int dst_type=296, int block_size=32) -> (Tensor, Tensor)"
+        )
+    }
     w = bf16(8, 64)
     with StandIns(schemas):
         data, scale = adapter.mx_quantize(w, -1, E4M3, "floor")
-        assert torch.equal(scale.view(torch.uint8),
-                           ref.mx_quantize(w, -1, E4M3, "floor")[1].view(torch.uint8))
-        with pytest.raises(RuntimeError, match="has no argument 'scale_alg', which the requested "
-                                               "behaviour needs"):
+        assert torch.equal(
+            scale.view(torch.uint8), ref.mx_quantize(w, -1, E4M3, "floor")[1].view(torch.uint8)
+        )
+        with pytest.raises(
+            RuntimeError, match="has no argument 'scale_alg', which the requested behaviour needs"
+        ):
             adapter.mx_quantize(w, -1, E4M3, "rceil")
 
 
 def test_unknown_required_argument(adapter):
-    schemas = {"npu_dynamic_mx_quant": (
-        "npu_dynamic_mx_quant(Tensor input, int group, *, int axis=-1, int dst_type=296, "
-        "int? scale_alg=0) -> (Tensor, Tensor)")}
+    schemas = {
+        "npu_dynamic_mx_quant": (
+            "npu_dynamic_mx_quant(Tensor input, int group, *, int axis=-1, int dst_type=296, "
+            "int? scale_alg=0) -> (Tensor, Tensor)"
+        )
+    }
     with StandIns(schemas):
-        with pytest.raises(RuntimeError, match="has a required argument 'group' that zrw does "
-                                               "not know"):
+        with pytest.raises(
+            RuntimeError, match="has a required argument 'group' that zrw does not know"
+        ):
             adapter.mx_quantize(bf16(8, 64), -1, E4M3, "floor")
 
 
 def test_argument_of_another_type(adapter):
-    schemas = {"npu_dynamic_mx_quant": (
-        'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str dst_type="fp8", '
-        "int? scale_alg=0) -> (Tensor, Tensor)")}
+    schemas = {
+        "npu_dynamic_mx_quant": (
+            'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str dst_type="fp8", '
+            "int? scale_alg=0) -> (Tensor, Tensor)"
+        )
+    }
     with StandIns(schemas):
-        with pytest.raises(RuntimeError, match="takes argument 'dst_type' as str, but zrw passes "
-                                               "int"):
+        with pytest.raises(
+            RuntimeError, match="takes argument 'dst_type' as str, but zrw passes int"
+        ):
             adapter.mx_quantize(bf16(8, 64), -1, E4M3, "floor")
 
 
 def test_operator_that_ignores_dst_type(adapter):
     # What FP4 output looks like (uint8, two elements per byte): caught, not passed on.
     with StandIns(SCHEMAS[PINNED], overrides={"npu_dynamic_mx_quant": ignores_dst_type}):
-        with pytest.raises(RuntimeError, match=r"npu::npu_dynamic_mx_quant returned data of dtype "
-                                               r"Byte and shape \[8, 32\], expected "
-                                               r"Float8_e4m3fn and \[8, 64\]"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"npu::npu_dynamic_mx_quant returned data of dtype "
+            r"Byte and shape \[8, 32\], expected "
+            r"Float8_e4m3fn and \[8, 64\]",
+        ):
             adapter.mx_quantize(bf16(8, 64), -1, E4M3, "floor")
 
 
@@ -181,9 +211,16 @@ def test_stand_in_refuses_k_not_divisible_by_64(npu_pinned):
     a, a_scale = ref.mx_quantize(bf16(4, 96), -1, E4M3, "floor")
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="K divisible by 64, got K=96"):
-        torch.ops.npu.npu_quant_matmul(a, a.t(), pairs.transpose(0, 1), pertoken_scale=pairs,
-                                       output_dtype=6, scale_dtype=293, pertoken_scale_dtype=293,
-                                       group_sizes=[1, 1, 32])
+        torch.ops.npu.npu_quant_matmul(
+            a,
+            a.t(),
+            pairs.transpose(0, 1),
+            pertoken_scale=pairs,
+            output_dtype=6,
+            scale_dtype=293,
+            pertoken_scale_dtype=293,
+            group_sizes=[1, 1, 32],
+        )
 
 
 def test_stand_in_refuses_mismatched_transpose(npu_pinned):
@@ -191,6 +228,13 @@ def test_stand_in_refuses_mismatched_transpose(npu_pinned):
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="x2 tensor and scale tensor's transpose are not same"):
         # x2 = a.t() is transposed, its scale a contiguous copy of the transposed pairs
-        torch.ops.npu.npu_quant_matmul(a, a.t(), pairs.transpose(0, 1).contiguous(),
-                                       pertoken_scale=pairs, output_dtype=6, scale_dtype=293,
-                                       pertoken_scale_dtype=293, group_sizes=[1, 1, 32])
+        torch.ops.npu.npu_quant_matmul(
+            a,
+            a.t(),
+            pairs.transpose(0, 1).contiguous(),
+            pertoken_scale=pairs,
+            output_dtype=6,
+            scale_dtype=293,
+            pertoken_scale_dtype=293,
+            group_sizes=[1, 1, 32],
+        )

@@ -84,14 +84,28 @@ def obtain(directory=None, timeout_s=600):
         return wheel
     # Into a fresh directory first, then moved: an interrupted download never looks cached.
     with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--timeout", "30", "--retries", "2", REQUIREMENT, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--timeout",
+            "30",
+            "--retries",
+            "2",
+            REQUIREMENT,
+            "-d",
+            tmp,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         output = r.stdout + r.stderr
         if r.returncode != 0:
             if _UNREACHABLE.search(output):
-                why = next(line.strip() for line in output.splitlines()
-                           if _UNREACHABLE.search(line))
+                why = next(
+                    line.strip() for line in output.splitlines() if _UNREACHABLE.search(line)
+                )
                 raise RegistryUnreachable(
                     f"`pip download --no-deps {REQUIREMENT}` could not reach the package index: "
                     f"{why[:300]}\n{output[-2000:]}"
@@ -99,8 +113,10 @@ def obtain(directory=None, timeout_s=600):
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {r.returncode}):\n{output[-4000:]}")
         got = list(Path(tmp).glob(f"torch_npu-{VERSION}-*.whl"))
         if len(got) != 1:
-            raise RuntimeError(f"pip downloaded {[p.name for p in Path(tmp).iterdir()]}, expected "
-                               f"one torch_npu-{VERSION}-*.whl:\n{output[-2000:]}")
+            raise RuntimeError(
+                f"pip downloaded {[p.name for p in Path(tmp).iterdir()]}, expected "
+                f"one torch_npu-{VERSION}-*.whl:\n{output[-2000:]}"
+            )
         target = directory / got[0].name
         os.replace(got[0], target)
     return target
@@ -118,8 +134,11 @@ class Wheel:
         self._zip = zipfile.ZipFile(self.path)
         dist_info = f"torch_npu-{VERSION}.dist-info"
         record = self._zip.read(f"{dist_info}/RECORD").decode()
-        self._hashes = {line.split(",")[0]: line.split(",")[1]
-                        for line in record.splitlines() if line.count(",") >= 2}
+        self._hashes = {
+            line.split(",")[0]: line.split(",")[1]
+            for line in record.splitlines()
+            if line.count(",") >= 2
+        }
         self.metadata = self.read(f"{dist_info}/METADATA")
         self._meta = None
         self._schemas = None
@@ -133,8 +152,11 @@ class Wheel:
 
     # -- metadata ---------------------------------------------------------------------------------
     def metadata_field(self, field):
-        return [line.split(":", 1)[1].strip() for line in self.metadata.splitlines()
-                if line.startswith(f"{field}:")]
+        return [
+            line.split(":", 1)[1].strip()
+            for line in self.metadata.splitlines()
+            if line.startswith(f"{field}:")
+        ]
 
     def source_branch(self):
         """The branch of Ascend/pytorch the README in METADATA says this release is built from,
@@ -165,8 +187,9 @@ class Wheel:
                     raise RuntimeError(f"{SCHEMA_FILE}: {name} is declared twice")
                 schemas[name] = schema
         if not schemas:
-            raise RuntimeError(f"{SCHEMA_FILE}: no `custom:` operators found; has its layout "
-                               "changed?")
+            raise RuntimeError(
+                f"{SCHEMA_FILE}: no `custom:` operators found; has its layout changed?"
+            )
         return schemas
 
     # -- dtype codes ------------------------------------------------------------------------------
@@ -174,8 +197,10 @@ class Wheel:
         """{torch_npu dtype name: its integer code}, e.g. float8_e8m0fnu -> 293."""
         offset = re.search(r"g_toAclOffset\s*=\s*(\d+)", self.read(DTYPE_OFFSET_FILE))
         acl = dict(re.findall(r"\b(ACL_\w+)\s*=\s*(\d+)", self.read(ACL_DTYPE_FILE)))
-        return {name: int(offset.group(1)) + int(acl[acl_name])
-                for name, acl_name in NPU_DTYPE_NAMES.items()}
+        return {
+            name: int(offset.group(1)) + int(acl[acl_name])
+            for name, acl_name in NPU_DTYPE_NAMES.items()
+        }
 
     # -- meta functions ---------------------------------------------------------------------------
     def meta(self):
@@ -197,6 +222,7 @@ class _ErrCode:
 def _unavailable(name):
     def call(*args, **kwargs):
         raise RuntimeError(f"torch_npu.{name} needs CANN and an NPU; the stand-in cannot answer")
+
     return call
 
 
@@ -211,8 +237,10 @@ def _run_meta_module(source, dtype_codes):
         if isinstance(node, ast.Import):
             return not any(a.name.split(".")[0] == "torch_npu" for a in node.names)
         if isinstance(node, ast.ImportFrom):
-            return not (node.module.split(".")[0] == "torch_npu"
-                        or node.module in ("torch.library", "torch.fx.node"))
+            return not (
+                node.module.split(".")[0] == "torch_npu"
+                or node.module in ("torch.library", "torch.fx.node")
+            )
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             return False
         return True
@@ -228,17 +256,26 @@ def _run_meta_module(source, dtype_codes):
         def register(fn):
             functions[(lib.ns, name)] = fn
             return fn
+
         return register
 
     torch_npu = types.SimpleNamespace(
         **dtype_codes,
-        npu=types.SimpleNamespace(utils=types.SimpleNamespace(
-            _is_gte_cann_version=_unavailable("npu.utils._is_gte_cann_version"))),
+        npu=types.SimpleNamespace(
+            utils=types.SimpleNamespace(
+                _is_gte_cann_version=_unavailable("npu.utils._is_gte_cann_version")
+            )
+        ),
     )
     namespace = {
-        "__name__": "torch_npu_meta_registrations", "torch": torch, "torch_npu": torch_npu,
-        "Library": Library, "impl": impl, "has_side_effect": lambda *a, **k: None,
-        "ErrCode": _ErrCode(), "ops_error": lambda code: f" [torch_npu error: {code}]",
+        "__name__": "torch_npu_meta_registrations",
+        "torch": torch,
+        "torch_npu": torch_npu,
+        "Library": Library,
+        "impl": impl,
+        "has_side_effect": lambda *a, **k: None,
+        "ErrCode": _ErrCode(),
+        "ops_error": lambda code: f" [torch_npu error: {code}]",
         "get_cann_version": _unavailable("npu.utils.get_cann_version"),
         "get_soc_version": _unavailable("npu._backends.get_soc_version"),
     }

@@ -1,4 +1,5 @@
 """Fixtures of the op tests."""
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree

@@ -41,8 +41,9 @@ def operand(rows, k, layout, elem_dtype=E4M3, seed=0, spread=8):
         data, scale = ops.mx_quantize(x.t().contiguous(), 0, elem_dtype, "floor")  # (K, R)
         return data.t(), scale.t()
     if layout == "row_step":  # every other row of a taller tensor
-        data, scale = ops.mx_quantize(torch.cat([x, x.flip(0)], 1).view(2 * rows, k), -1,
-                                      elem_dtype, "floor")
+        data, scale = ops.mx_quantize(
+            torch.cat([x, x.flip(0)], 1).view(2 * rows, k), -1, elem_dtype, "floor"
+        )
         return data[::2], scale[::2]
     raise AssertionError(layout)
 
@@ -89,10 +90,18 @@ LAYOUTS = ["rows", "t"]
 @pytest.mark.parametrize("a_layout", LAYOUTS)
 @pytest.mark.parametrize(
     "m, n, k",
-    [(17, 23, 70), (1, 40, 64), (40, 1, 33), (1, 1, 1), (33, 31, 33), (5, 7, 1000),
-     (256, 384, 512), (64, 300, 96),
-     # K = 65536: both operands go through several fp32 row tiles (64 rows each at this K)
-     (100, 70, 65536)],
+    [
+        (17, 23, 70),
+        (1, 40, 64),
+        (40, 1, 33),
+        (1, 1, 1),
+        (33, 31, 33),
+        (5, 7, 1000),
+        (256, 384, 512),
+        (64, 300, 96),
+        # K = 65536: both operands go through several fp32 row tiles (64 rows each at this K)
+        (100, 70, 65536),
+    ],
     ids=lambda v: str(v),
 )
 def test_matmul_all_transpose_combinations(m, n, k, a_layout, b_layout):
@@ -108,8 +117,11 @@ def test_matmul_all_transpose_combinations(m, n, k, a_layout, b_layout):
     [(E5M2, E5M2), (E5M2, E4M3), (E4M3, E5M2)],
     ids=["e5m2", "e5m2xe4m3", "e4m3xe5m2"],
 )
-@pytest.mark.parametrize("layouts", [("rows", "rows"), ("t", "rows"), ("rows", "t"), ("t", "t")],
-                         ids=lambda v: "x".join(v))
+@pytest.mark.parametrize(
+    "layouts",
+    [("rows", "rows"), ("t", "rows"), ("rows", "t"), ("t", "t")],
+    ids=lambda v: "x".join(v),
+)
 def test_matmul_e5m2_and_mixed_operands(a_fmt, b_fmt, layouts):
     a, a_scale = operand(24, 70, layouts[0], a_fmt, seed=1, spread=12)
     b, b_scale = operand(40, 70, layouts[1], b_fmt, seed=2, spread=12)
@@ -274,8 +286,9 @@ def test_matmul_memory_is_fp32_tiles_plus_the_result():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     M, K, N, tile = 1024, 4096, 4096, 512
     budget = M * K * 4 + tile * K * 4 + M * tile * 4 + M * N * 2

@@ -12,6 +12,7 @@ its own process with ZRW_CPU_GEMM forcing it (the choice is made once per proces
   result, the workspace stays within the bound, zrw.memory counts it, and
   zrw.ops.free_matmul_workspace() returns it; calls from several threads at once stay exact.
 """
+
 import os
 import subprocess
 import sys
@@ -146,8 +147,9 @@ PATHS = ("fp32", "bf16")
 
 def run_child(script, path, *args):
     env = dict(os.environ, ZRW_CPU_GEMM=path)
-    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -195,11 +197,11 @@ def test_bf16_path_equals_fp32_path_up_to_summation_order(results):
         # the exact (float64) product, up to the fp32 summation error.
         for y in (y_bf16, y_fp32):
             err = (y.double() - ref).abs()
-            bound = ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()
+            bound = ref.abs() * 2.0**-8 + 1e-6 * ref.abs().max()
             assert bool((err <= bound).all()), (key, float((err - bound).max()))
         # ...and at most one bf16 ulp from each other.
         diff = (y_bf16.double() - y_fp32.double()).abs()
-        assert bool((diff <= y_fp32.double().abs() * 2.0 ** -7 + 1e-6 * ref.abs().max()).all()), key
+        assert bool((diff <= y_fp32.double().abs() * 2.0**-7 + 1e-6 * ref.abs().max()).all()), key
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -220,7 +222,8 @@ def test_the_tile_workspace_persists_within_its_bound_and_is_freed(path):
     out = run_child(WORKSPACE_SCRIPT, path).split()
     gemm = out[0]
     held, grown, again, scratch, same, threaded, freed, dropped, after, freed_again = map(
-        int, out[1:])
+        int, out[1:]
+    )
     assert gemm == path
     # The first call kept the tiles: the workspace is counted by zrw.memory, within the bound
     # (A tile 16 MiB, B tile 8 MiB, and on the FP32 path a 16 MiB fp32 product tile for the bf16
@@ -248,8 +251,13 @@ def test_backends_reports_the_gemm_path():
 
 def test_an_unknown_gemm_override_is_refused():
     env = dict(os.environ, ZRW_CPU_GEMM="int8")
-    r = subprocess.run([sys.executable, "-c", "import zrw; print(zrw._C.cpu_gemm())"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", "import zrw; print(zrw._C.cpu_gemm())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert 'ZRW_CPU_GEMM must be "fp32", "bf16" or "auto", got "int8"' in r.stderr
 

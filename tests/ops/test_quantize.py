@@ -71,8 +71,18 @@ def _special_values(dtype):
     finfo = torch.finfo(dtype)
     smallest_subnormal = finfo.smallest_normal * finfo.eps  # 2^(emin - mantissa bits)
     values = [
-        0.0, -0.0, 448.0, -448.0, finfo.max, -finfo.max, finfo.smallest_normal,
-        -finfo.smallest_normal, smallest_subnormal, -smallest_subnormal, 1.0, -1.0,
+        0.0,
+        -0.0,
+        448.0,
+        -448.0,
+        finfo.max,
+        -finfo.max,
+        finfo.smallest_normal,
+        -finfo.smallest_normal,
+        smallest_subnormal,
+        -smallest_subnormal,
+        1.0,
+        -1.0,
     ]
     values += [57344.0, -57344.0]
     if dtype != torch.float16:  # beyond fp16's range
@@ -88,7 +98,7 @@ def make_input(kind, shape, dim, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     shape = tuple(shape)
     dim = dim % len(shape)
-    moved_shape = shape[:dim] + shape[dim + 1:] + (shape[dim],)
+    moved_shape = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
     length = shape[dim]
     rows = math.prod(moved_shape[:-1])
     nblocks = -(-length // BLOCK)
@@ -160,7 +170,8 @@ def make_input(kind, shape, dim, dtype, seed):
         # between fp8 neighbours, signs random: rounding must pick the even neighbour.
         fmt = [E4M3, E5M2]
         shift_range = {
-            (torch.float16, E4M3): (-14, 7), (torch.float16, E5M2): (-7, 0),
+            (torch.float16, E4M3): (-14, 7),
+            (torch.float16, E5M2): (-7, 0),
         }
         for b in range(nblocks):
             elem = fmt[b % 2]
@@ -182,15 +193,34 @@ def make_input(kind, shape, dim, dtype, seed):
 
 
 KINDS = [
-    "randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "fp8_subnormal",
-    "specials", "nonfinite", "ties",
+    "randn",
+    "wide_elem",
+    "wide_block",
+    "amax_above_1_75",
+    "subnormal",
+    "fp8_subnormal",
+    "specials",
+    "nonfinite",
+    "ties",
 ]
 
 # (shape, dim) for mx_quantize: unaligned, tiny, 3-D and 4-D, every spelling of dim.
 SHAPE_DIMS = [
-    ((1, 1), -1), ((1, 33), -1), ((33, 1), 0), ((100, 70), -1), ((100, 70), 0), ((31, 65), -1),
-    ((31, 65), -2), ((64,), 0), ((3, 40, 5), 1), ((3, 40, 5), 0), ((3, 40, 5), -1),
-    ((2, 3, 33, 7), 0), ((2, 3, 33, 7), 1), ((2, 3, 33, 7), -2), ((2, 3, 7, 33), -1),
+    ((1, 1), -1),
+    ((1, 33), -1),
+    ((33, 1), 0),
+    ((100, 70), -1),
+    ((100, 70), 0),
+    ((31, 65), -1),
+    ((31, 65), -2),
+    ((64,), 0),
+    ((3, 40, 5), 1),
+    ((3, 40, 5), 0),
+    ((3, 40, 5), -1),
+    ((2, 3, 33, 7), 0),
+    ((2, 3, 33, 7), 1),
+    ((2, 3, 33, 7), -2),
+    ((2, 3, 7, 33), -1),
 ]
 # past the kernel's 2048-column chunks and 64-block row groups, and its 32-row strips
 BIG_SHAPE_DIMS = [((4, 1100), -1), ((1100, 3), 0), ((3, 2100), -1), ((40, 2112), 0)]
@@ -225,8 +255,9 @@ def _shape_id(sd):
 QUANTIZE_MATRIX = kind_dtype_shape_matrix(KINDS, SHAPE_DIMS, BIG_SHAPE_DIMS)
 
 
-@pytest.mark.parametrize("kind, dtype, shape_dim", QUANTIZE_MATRIX,
-                         ids=matrix_ids(QUANTIZE_MATRIX, _shape_id))
+@pytest.mark.parametrize(
+    "kind, dtype, shape_dim", QUANTIZE_MATRIX, ids=matrix_ids(QUANTIZE_MATRIX, _shape_id)
+)
 def test_quantize_matches_reference(kind, dtype, shape_dim):
     shape, dim = shape_dim
     x = make_input(kind, shape, dim, dtype, seed=stable_seed(kind, shape, dim, dtype))
@@ -275,7 +306,9 @@ def test_nonfinite_blocks_get_nan_scale_and_spare_their_neighbours(dtype):
         data, scale = ops.mx_quantize(x, -1, elem_dtype, scale_mode)
         normal = 127 - ref.ELEM_EMAX[elem_dtype]
         assert as_bytes(scale).tolist() == [
-            [NAN_BYTE, normal, normal], [normal, NAN_BYTE, normal], [normal, normal, NAN_BYTE],
+            [NAN_BYTE, normal, normal],
+            [normal, NAN_BYTE, normal],
+            [normal, normal, NAN_BYTE],
         ]
         finite = ~nan_block_mask(scale, x.shape, -1)
         assert data.double()[finite].eq(2.0 ** ref.ELEM_EMAX[elem_dtype]).all()
@@ -361,8 +394,16 @@ def test_quantize_non_contiguous_3d_and_4d():
 WEIGHT_SHAPES = [(1, 1), (1, 33), (33, 1), (100, 70), (31, 65), (3, 40, 70), (2, 33, 65), (1, 1, 1)]
 # past the kernel's 2048-column chunks
 BIG_WEIGHT_SHAPES = [(40, 1100), (2, 40, 530), (40, 2100), (33, 4160)]
-DUAL_KINDS = ["randn", "wide_elem", "wide_block", "amax_above_1_75", "subnormal", "specials",
-              "nonfinite", "ties"]
+DUAL_KINDS = [
+    "randn",
+    "wide_elem",
+    "wide_block",
+    "amax_above_1_75",
+    "subnormal",
+    "specials",
+    "nonfinite",
+    "ties",
+]
 
 
 def _weight_id(shape):
@@ -372,8 +413,9 @@ def _weight_id(shape):
 WEIGHT_MATRIX = kind_dtype_shape_matrix(DUAL_KINDS, WEIGHT_SHAPES, BIG_WEIGHT_SHAPES)
 
 
-@pytest.mark.parametrize("kind, dtype, shape", WEIGHT_MATRIX,
-                         ids=matrix_ids(WEIGHT_MATRIX, _weight_id))
+@pytest.mark.parametrize(
+    "kind, dtype, shape", WEIGHT_MATRIX, ids=matrix_ids(WEIGHT_MATRIX, _weight_id)
+)
 def test_dual_matches_reference_and_single_axis(kind, dtype, shape):
     # Blocks built along K for half the kinds' hard cases, along N for the other half.
     dim = -1 if DUAL_KINDS.index(kind) % 2 else -2
@@ -405,8 +447,9 @@ def test_dual_non_contiguous_weights():
 # mx_quantize_block
 
 
-@pytest.mark.parametrize("kind, dtype, shape", WEIGHT_MATRIX,
-                         ids=matrix_ids(WEIGHT_MATRIX, _weight_id))
+@pytest.mark.parametrize(
+    "kind, dtype, shape", WEIGHT_MATRIX, ids=matrix_ids(WEIGHT_MATRIX, _weight_id)
+)
 def test_block_matches_reference(kind, dtype, shape):
     dim = -1 if DUAL_KINDS.index(kind) % 2 else -2
     w = make_input(kind, shape, dim, dtype, seed=stable_seed(kind, shape, dtype, "block"))
@@ -450,7 +493,8 @@ def test_block_nonfinite_tile_only():
     w[0, 0, 69] = math.nan
     data, block_scale = ops.mx_quantize_block(w)
     assert as_bytes(block_scale).tolist() == [
-        [[119, 119, NAN_BYTE], [119, 119, 119]], [[119, 119, 119], [NAN_BYTE, 119, 119]],
+        [[119, 119, NAN_BYTE], [119, 119, 119]],
+        [[119, 119, 119], [NAN_BYTE, 119, 119]],
     ]
     assert_block_quantization_equal((data, block_scale), ref.mx_quantize_block(w), w.shape)
 
@@ -469,8 +513,17 @@ def test_block_non_contiguous_weights():
 
 
 @pytest.mark.parametrize(
-    "shape, dim", [((0,), 0), ((0, 64), -1), ((0, 64), 0), ((4, 0), -1), ((4, 0), 0),
-                   ((2, 0, 5), 1), ((2, 0, 5), -1), ((0, 0), 0)],
+    "shape, dim",
+    [
+        ((0,), 0),
+        ((0, 64), -1),
+        ((0, 64), 0),
+        ((4, 0), -1),
+        ((4, 0), 0),
+        ((2, 0, 5), 1),
+        ((2, 0, 5), -1),
+        ((0, 0), 0),
+    ],
 )
 def test_quantize_empty(shape, dim):
     x = torch.empty(shape, dtype=torch.bfloat16)
@@ -595,16 +648,16 @@ def test_quantize_of_dequantize_is_idempotent(case):
 # and the row plane of the dual; the transposed copy puts them down the columns.
 
 BF16_ANCHORS = [
-    2.0**-133,               # bf16 subnormal amax: scale 0x00, elements scaled by 2^127
-    2.0**-126 * 1.5,         # smallest normal binade
-    2.0**-120 * 1.875,       # scale clamps at -127
+    2.0**-133,  # bf16 subnormal amax: scale 0x00, elements scaled by 2^127
+    2.0**-126 * 1.5,  # smallest normal binade
+    2.0**-120 * 1.875,  # scale clamps at -127
     2.0**-20 * 1.75,
     1.0,
-    1.875,                   # amax mantissa above 1.75: floor and rceil differ
+    1.875,  # amax mantissa above 1.75: floor and rceil differ
     448.0,
     57344.0 * 1.9921875,
     2.0**100 * 1.0078125,
-    3.3895313892515355e38,   # largest finite bf16
+    3.3895313892515355e38,  # largest finite bf16
 ]
 
 
@@ -630,26 +683,34 @@ def _assert_both_axes_match_reference(x, elem_dtype, scale_mode):
     """mx_quantize and mx_quantize_dual of x (blocks along its rows) and of its transposed copy
     (the same blocks down the columns) equal the reference byte for byte."""
     for blocked, dim in ((x, -1), (x.t().contiguous(), 0)):
-        assert_same_quantization(ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
-                                 ref.mx_quantize(blocked, dim, elem_dtype, scale_mode), dim,
-                                 f"mx_quantize dim={dim}")
+        assert_same_quantization(
+            ops.mx_quantize(blocked, dim, elem_dtype, scale_mode),
+            ref.mx_quantize(blocked, dim, elem_dtype, scale_mode),
+            dim,
+            f"mx_quantize dim={dim}",
+        )
         got = ops.mx_quantize_dual(blocked, elem_dtype, scale_mode)
         exp = ref.mx_quantize_dual(blocked, elem_dtype, scale_mode)
         assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual fwd")
         assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual bwd")
 
 
-@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
-                         isinstance(v, torch.dtype) else v)
+@pytest.mark.parametrize(
+    "elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else v
+)
 def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mode):
     x = torch.cat([_every_pattern_blocks(torch.bfloat16, a) for a in BF16_ANCHORS])
-    x = torch.cat([x, torch.tensor([[math.inf] + [1.0] * 31, [math.nan] + [-2.0] * 31],
-                                   dtype=torch.bfloat16)])
+    x = torch.cat(
+        [x, torch.tensor([[math.inf] + [1.0] * 31, [math.nan] + [-2.0] * 31], dtype=torch.bfloat16)]
+    )
     _assert_both_axes_match_reference(x, elem_dtype, scale_mode)
     tiles = x[: x.shape[0] // BLOCK * BLOCK]
-    assert_block_quantization_equal(ops.mx_quantize_block(tiles, elem_dtype, scale_mode),
-                                    ref.mx_quantize_block(tiles, elem_dtype, scale_mode),
-                                    tiles.shape, "mx_quantize_block")
+    assert_block_quantization_equal(
+        ops.mx_quantize_block(tiles, elem_dtype, scale_mode),
+        ref.mx_quantize_block(tiles, elem_dtype, scale_mode),
+        tiles.shape,
+        "mx_quantize_block",
+    )
 
 
 # fp32 and fp16 go through the same 16-bit encode after staging as "jammed bf16" (the OR of the
@@ -658,8 +719,17 @@ def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mo
 # amaxes with mantissa exactly 1.75 and 1.75 plus one ulp (rceil picks different scales), and fp32
 # subnormals in blocks whose amax is an fp32 subnormal (elements scaled up by 2^127).
 
-FP32_ANCHOR_BITS = [0x00000003, 0x007FFFFF, 0x00E00000, 0x00E00001, 0x3FE00000, 0x3FE00001,
-                    0x43E00000, 0x47600001, 0x7F7FFFFF]
+FP32_ANCHOR_BITS = [
+    0x00000003,
+    0x007FFFFF,
+    0x00E00000,
+    0x00E00001,
+    0x3FE00000,
+    0x3FE00001,
+    0x43E00000,
+    0x47600001,
+    0x7F7FFFFF,
+]
 
 
 def _fp32_blocks_under(anchor_bits, gen):
@@ -673,16 +743,22 @@ def _fp32_blocks_under(anchor_bits, gen):
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16], ids=dtype_id)
-@pytest.mark.parametrize("elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if
-                         isinstance(v, torch.dtype) else v)
+@pytest.mark.parametrize(
+    "elem_dtype,scale_mode", FORMATS, ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else v
+)
 def test_fp32_fp16_rounding_sticky_bits_and_subnormals(src_dtype, elem_dtype, scale_mode):
-    gen = torch.Generator().manual_seed(stable_seed("jam", str(src_dtype), str(elem_dtype),
-                                                    scale_mode))
+    gen = torch.Generator().manual_seed(
+        stable_seed("jam", str(src_dtype), str(elem_dtype), scale_mode)
+    )
     if src_dtype == torch.float32:
         x = torch.cat([_fp32_blocks_under(a, gen) for a in FP32_ANCHOR_BITS])
     else:
-        x = torch.cat([_every_pattern_blocks(torch.float16, a)
-                       for a in (2.0**-24, 2.0**-14 * 1.75, 1.875, 448.0, 65504.0)])
+        x = torch.cat(
+            [
+                _every_pattern_blocks(torch.float16, a)
+                for a in (2.0**-24, 2.0**-14 * 1.75, 1.875, 448.0, 65504.0)
+            ]
+        )
     _assert_both_axes_match_reference(x, elem_dtype, scale_mode)
 
 
@@ -699,7 +775,7 @@ def test_large_weight_every_layout_matches_reference():
     flat = w.view(-1)
     flat[::4099] = 0.0
     flat[1::8191] = -0.0
-    flat[3::30011] = 2.0**-130                  # a bf16 subnormal
+    flat[3::30011] = 2.0**-130  # a bf16 subnormal
     flat[5::16411] = flat[5::16411] * 2.0**-20  # far below its block's amax
     flat[7::1_000_003] = math.nan
     flat[11::1_500_007] = -math.inf
@@ -707,18 +783,27 @@ def test_large_weight_every_layout_matches_reference():
     for elem_dtype, scale_mode in ((E4M3, "floor"), (E5M2, "rceil")):
         what = f"{elem_dtype} {scale_mode}"
         exp_dual = ref.mx_quantize_dual(x, elem_dtype, scale_mode)
-        for got in (ops.mx_quantize_dual(x, elem_dtype, scale_mode),
-                    ops.mx_quantize_dual_from_master(w, torch.bfloat16, elem_dtype, scale_mode)):
+        for got in (
+            ops.mx_quantize_dual(x, elem_dtype, scale_mode),
+            ops.mx_quantize_dual_from_master(w, torch.bfloat16, elem_dtype, scale_mode),
+        ):
             assert_same_quantization(got[:2], exp_dual[:2], -1, "fwd " + what)
             assert_same_quantization(got[2:], exp_dual[2:], -2, "bwd " + what)
         for dim, exp in ((-1, exp_dual[:2]), (0, exp_dual[2:])):
-            assert_same_quantization(ops.mx_quantize(x, dim, elem_dtype, scale_mode), exp, dim,
-                                     f"dim {dim} {what}")
-        assert_same_quantization(ops.mx_quantize_from_master(w, -1, torch.bfloat16, elem_dtype,
-                                                             scale_mode), exp_dual[:2], -1, what)
+            assert_same_quantization(
+                ops.mx_quantize(x, dim, elem_dtype, scale_mode), exp, dim, f"dim {dim} {what}"
+            )
+        assert_same_quantization(
+            ops.mx_quantize_from_master(w, -1, torch.bfloat16, elem_dtype, scale_mode),
+            exp_dual[:2],
+            -1,
+            what,
+        )
         exp_block = ref.mx_quantize_block(x, elem_dtype, scale_mode)
-        for got in (ops.mx_quantize_block(x, elem_dtype, scale_mode),
-                    ops.mx_quantize_block_from_master(w, torch.bfloat16, elem_dtype, scale_mode)):
+        for got in (
+            ops.mx_quantize_block(x, elem_dtype, scale_mode),
+            ops.mx_quantize_block_from_master(w, torch.bfloat16, elem_dtype, scale_mode),
+        ):
             assert_block_quantization_equal(got, exp_block, (n, k), "block " + what)
 
 
@@ -880,7 +965,10 @@ UNAVAILABLE_SCRIPT = textwrap.dedent(
 def _start_child(script, isa):
     env = dict(os.environ, ZRW_CPU_ISA=isa, ZRW_CPU_GEMM="bf16")
     return subprocess.Popen(
-        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
 

@@ -97,7 +97,7 @@ def make_master(kind, shape, dim, param_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     shape = tuple(shape)
     dim = dim % len(shape)
-    moved_shape = shape[:dim] + shape[dim + 1:] + (shape[dim],)
+    moved_shape = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
     length = shape[dim]
     rows = math.prod(moved_shape[:-1])
     nblocks = -(-length // BLOCK)
@@ -144,16 +144,18 @@ def make_master(kind, shape, dim, param_dtype, seed):
     elif kind == "amax_rounding":
         patterns = torch.tensor(_amax_patterns(param_dtype))
         e = block_exponents().squeeze(-1)
-        amax = f32_from_bits(((e + 127) << 23) | patterns[randint(0, len(patterns) - 1,
-                                                                   (rows, nblocks))])
+        amax = f32_from_bits(
+            ((e + 127) << 23) | patterns[randint(0, len(patterns) - 1, (rows, nblocks))]
+        )
         body = torch.randn(size, generator=gen).clamp(-1.5, 1.5) * torch.exp2(e.float())[..., None]
         x = put_one(body, amax * sign((rows, nblocks)))
     elif kind == "overflow":
         # Finite masters whose parameter is +-Inf (the block's scale becomes 0xFF), and the
         # largest values that stay finite.
         if param_dtype == BF16:
-            big = f32_from_bits(torch.tensor([0x7F7F8000, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F0000,
-                                              0x7F7EC000]))
+            big = f32_from_bits(
+                torch.tensor([0x7F7F8000, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F0000, 0x7F7EC000])
+            )
             body = torch.randn(size, generator=gen) * 2.0**120
         else:
             big = torch.tensor([65520.0, 65519.99609375, 65504.0, 70000.0, 1e30, 65519.0])
@@ -163,8 +165,9 @@ def make_master(kind, shape, dim, param_dtype, seed):
     elif kind == "subnormal":
         # fp32 subnormals (bf16: rounded into bf16 subnormals, ties included; fp16: to +-0),
         # blocks made only of them, and mixed with the parameter dtype's smallest normals.
-        sub_bits = torch.where(rand(size) < 0.3, (randint(0, 0x7F, size) << 16) | 0x8000,
-                               randint(1, 0x7FFFFF, size))
+        sub_bits = torch.where(
+            rand(size) < 0.3, (randint(0, 0x7F, size) << 16) | 0x8000, randint(1, 0x7FFFFF, size)
+        )
         sub = f32_from_bits(sub_bits)
         if param_dtype == BF16:
             small = torch.randn(size, generator=gen) * 2.0**-124
@@ -189,8 +192,10 @@ def make_master(kind, shape, dim, param_dtype, seed):
 
 
 def _bytes_equal(got, expected):
-    return all(g.dtype == e.dtype and g.shape == e.shape and torch.equal(as_bytes(g), as_bytes(e))
-               for g, e in zip(got, expected))
+    return all(
+        g.dtype == e.dtype and g.shape == e.shape and torch.equal(as_bytes(g), as_bytes(e))
+        for g, e in zip(got, expected)
+    )
 
 
 def _fused_and_plain(master, layout, param_dtype, elem_dtype, scale_mode):
@@ -200,13 +205,25 @@ def _fused_and_plain(master, layout, param_dtype, elem_dtype, scale_mode):
     fmt = (elem_dtype, scale_mode)
     if layout in ("dim-1", "dim-2"):
         dim = -1 if layout == "dim-1" else -2
-        return (ops.mx_quantize_from_master(master, dim, param_dtype, *fmt),
-                ops.mx_quantize(param, dim, *fmt), ref.mx_quantize(param, dim, *fmt), (dim,))
+        return (
+            ops.mx_quantize_from_master(master, dim, param_dtype, *fmt),
+            ops.mx_quantize(param, dim, *fmt),
+            ref.mx_quantize(param, dim, *fmt),
+            (dim,),
+        )
     if layout == "dual":
-        return (ops.mx_quantize_dual_from_master(master, param_dtype, *fmt),
-                ops.mx_quantize_dual(param, *fmt), ref.mx_quantize_dual(param, *fmt), (-1, -2))
-    return (ops.mx_quantize_block_from_master(master, param_dtype, *fmt),
-            ops.mx_quantize_block(param, *fmt), ref.mx_quantize_block(param, *fmt), ())
+        return (
+            ops.mx_quantize_dual_from_master(master, param_dtype, *fmt),
+            ops.mx_quantize_dual(param, *fmt),
+            ref.mx_quantize_dual(param, *fmt),
+            (-1, -2),
+        )
+    return (
+        ops.mx_quantize_block_from_master(master, param_dtype, *fmt),
+        ops.mx_quantize_block(param, *fmt),
+        ref.mx_quantize_block(param, *fmt),
+        (),
+    )
 
 
 def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
@@ -216,8 +233,9 @@ def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
     for layout in layouts:
         for elem_dtype, scale_mode in formats:
             what = f"{tuple(master.shape)} {layout} {param_dtype} {elem_dtype} {scale_mode}"
-            got, plain, spec, dims = _fused_and_plain(master, layout, param_dtype, elem_dtype,
-                                                      scale_mode)
+            got, plain, spec, dims = _fused_and_plain(
+                master, layout, param_dtype, elem_dtype, scale_mode
+            )
             if not _bytes_equal(got, plain):
                 failures.append(f"{what}: differs from the existing op on master.to(param_dtype)")
             try:
@@ -225,8 +243,9 @@ def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
                     assert_block_quantization_equal(got, spec, master.shape, what)
                 else:
                     for i, d in enumerate(dims):
-                        assert_same_quantization(got[2 * i: 2 * i + 2], spec[2 * i: 2 * i + 2], d,
-                                                 what)
+                        assert_same_quantization(
+                            got[2 * i : 2 * i + 2], spec[2 * i : 2 * i + 2], d, what
+                        )
             except AssertionError as e:
                 failures.append(f"{what}: differs from the reference: {e}")
     return failures
@@ -241,8 +260,9 @@ def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
 @pytest.mark.parametrize("kind", KINDS)
 def test_from_master_equals_quantizing_the_rounded_parameter(kind, param_dtype, shape):
     for dim in (-1, -2):
-        master = make_master(kind, shape, dim, param_dtype,
-                             seed=stable_seed(kind, shape, dim, str(param_dtype)))
+        master = make_master(
+            kind, shape, dim, param_dtype, seed=stable_seed(kind, shape, dim, str(param_dtype))
+        )
         failures = check_master(master, param_dtype)
         assert not failures, "\n".join(failures[:8])
 
@@ -302,8 +322,11 @@ def test_a_finite_master_that_rounds_to_inf_gives_a_nan_block(param_dtype):
     for elem_dtype, scale_mode in FORMATS:
         data, scale = ops.mx_quantize_from_master(x, -1, param_dtype, elem_dtype, scale_mode)
         normal = 127 - ref.ELEM_EMAX[elem_dtype]
-        assert as_bytes(scale).tolist() == [[normal, normal], [normal, NAN_BYTE],
-                                            [NAN_BYTE, normal]]
+        assert as_bytes(scale).tolist() == [
+            [normal, normal],
+            [normal, NAN_BYTE],
+            [NAN_BYTE, normal],
+        ]
 
 
 def test_nan_and_inf_masters_give_nan_blocks_in_every_layout():
@@ -323,8 +346,13 @@ def test_fp16_subnormal_ties_round_to_even():
     # amax 2^-14 gives an e5m2 scale of 2^-29, and e5m2 holds 2^-25 .. 2^-14 multiples exactly.
     x = _row([2.0**-14, 1 * 2.0**-25, 3 * 2.0**-25, 5 * 2.0**-25, -7 * 2.0**-25])
     data, _ = ops.mx_quantize_from_master(x, -1, FP16, E5M2, "floor")
-    assert (data[0, :5].float() * 2.0**-29).tolist() == [2.0**-14, 0.0, 4 * 2.0**-25,
-                                                          4 * 2.0**-25, -8 * 2.0**-25]
+    assert (data[0, :5].float() * 2.0**-29).tolist() == [
+        2.0**-14,
+        0.0,
+        4 * 2.0**-25,
+        4 * 2.0**-25,
+        -8 * 2.0**-25,
+    ]
 
 
 def test_non_contiguous_and_empty_masters():
@@ -338,11 +366,11 @@ def test_non_contiguous_and_empty_masters():
             got = ops.mx_quantize_block_from_master(view, p, E4M3, "rceil")
             assert _bytes_equal(got, ops.mx_quantize_block(view.to(p), E4M3, "rceil"))
     empty = torch.empty(0, 64)
-    for got, plain in ((ops.mx_quantize_from_master(empty), ops.mx_quantize(empty.to(BF16))),
-                       (ops.mx_quantize_dual_from_master(empty),
-                        ops.mx_quantize_dual(empty.to(BF16))),
-                       (ops.mx_quantize_block_from_master(empty),
-                        ops.mx_quantize_block(empty.to(BF16)))):
+    for got, plain in (
+        (ops.mx_quantize_from_master(empty), ops.mx_quantize(empty.to(BF16))),
+        (ops.mx_quantize_dual_from_master(empty), ops.mx_quantize_dual(empty.to(BF16))),
+        (ops.mx_quantize_block_from_master(empty), ops.mx_quantize_block(empty.to(BF16))),
+    ):
         assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in plain]
 
 
@@ -361,8 +389,10 @@ def test_reference_is_the_cast_then_the_reference_quantize():
     for p in PARAM_DTYPES:
         param = master.to(p)
         pairs = [
-            (ref.mx_quantize_from_master(master, 0, p, E5M2, "rceil"),
-             ref.mx_quantize(param, 0, E5M2, "rceil")),
+            (
+                ref.mx_quantize_from_master(master, 0, p, E5M2, "rceil"),
+                ref.mx_quantize(param, 0, E5M2, "rceil"),
+            ),
             (ref.mx_quantize_dual_from_master(master, p), ref.mx_quantize_dual(param)),
             (ref.mx_quantize_block_from_master(master, p), ref.mx_quantize_block(param)),
         ]
@@ -389,8 +419,9 @@ def test_matches_torchao_on_the_rounded_parameter():
         assert compared.float().mean() > 0.9
         assert torch.equal(as_bytes(scale)[compared], as_bytes(ao_scale)[compared])
         view = (64, -1, BLOCK)
-        assert torch.equal(as_bytes(data).reshape(view)[compared],
-                           as_bytes(ao_data).reshape(view)[compared])
+        assert torch.equal(
+            as_bytes(data).reshape(view)[compared], as_bytes(ao_data).reshape(view)[compared]
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,8 +460,12 @@ def isa_children():
     for isa, need in ISA_REQUIREMENTS.items():
         if need <= flags:
             children[isa] = subprocess.Popen(
-                [sys.executable, "-c", ISA_SCRIPT], env=child_env(here, ZRW_CPU_ISA=isa),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                [sys.executable, "-c", ISA_SCRIPT],
+                env=child_env(here, ZRW_CPU_ISA=isa),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
     yield children
     for child in children.values():
         if child.poll() is None:
@@ -459,15 +494,19 @@ def _opcheck_cases():
     w_nan[3, 40] = math.nan
     w3 = torch.randn(2, 33, 65, generator=gen)
     cases = []
-    for tag, m, p, e, s in (("bf16", w, BF16, E4M3, "floor"),
-                            ("nan-fp16", w_nan, FP16, E5M2, "rceil"),
-                            ("3d", w3, BF16, E5M2, "floor"), ("t", w.t(), FP16, E4M3, "rceil")):
+    for tag, m, p, e, s in (
+        ("bf16", w, BF16, E4M3, "floor"),
+        ("nan-fp16", w_nan, FP16, E5M2, "rceil"),
+        ("3d", w3, BF16, E5M2, "floor"),
+        ("t", w.t(), FP16, E4M3, "rceil"),
+    ):
         cases.append((f"{tag}-dim-1", "mx_quantize_from_master", (m, -1, p, e, s)))
         cases.append((f"{tag}-dim0", "mx_quantize_from_master", (m, 0, p, e, s)))
         cases.append((tag, "mx_quantize_dual_from_master", (m, p, e, s)))
         cases.append((tag, "mx_quantize_block_from_master", (m, p, e, s)))
-    cases.append(("empty", "mx_quantize_from_master", (torch.empty(0, 64), -1, BF16, E4M3,
-                                                       "floor")))
+    cases.append(
+        ("empty", "mx_quantize_from_master", (torch.empty(0, 64), -1, BF16, E4M3, "floor"))
+    )
     return cases
 
 
@@ -512,8 +551,14 @@ def test_torch_compile_fullgraph_matches_eager():
 
 X = torch.ones(4, 64)
 W3 = torch.ones(2, 4, 64)
-FOUND = {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float64: "Double",
-         torch.float32: "Float", torch.int32: "Int", E4M3: "Float8_e4m3fn"}
+FOUND = {
+    torch.bfloat16: "BFloat16",
+    torch.float16: "Half",
+    torch.float64: "Double",
+    torch.float32: "Float",
+    torch.int32: "Int",
+    E4M3: "Float8_e4m3fn",
+}
 
 
 def found(dtype):
@@ -521,44 +566,89 @@ def found(dtype):
 
 
 def _error_cases():
-    single, dual, block = (ops.mx_quantize_from_master, ops.mx_quantize_dual_from_master,
-                           ops.mx_quantize_block_from_master)
+    single, dual, block = (
+        ops.mx_quantize_from_master,
+        ops.mx_quantize_dual_from_master,
+        ops.mx_quantize_block_from_master,
+    )
     cases = []
-    for name, call in (("mx_quantize_from_master", lambda m, *a: single(m, -1, *a)),
-                       ("mx_quantize_dual_from_master", dual),
-                       ("mx_quantize_block_from_master", block)):
+    for name, call in (
+        ("mx_quantize_from_master", lambda m, *a: single(m, -1, *a)),
+        ("mx_quantize_dual_from_master", dual),
+        ("mx_quantize_block_from_master", block),
+    ):
         op = rf"zrw\.{name}: "
         for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.int32, E4M3):
-            cases.append((f"{name}-master-{dtype_id(dtype)}",
-                          lambda call=call, dtype=dtype: call(X.to(dtype)), TypeError,
-                          op + r"master must be torch\.float32 \(the FP32 master weight\), "
-                          + found(dtype)))
+            cases.append(
+                (
+                    f"{name}-master-{dtype_id(dtype)}",
+                    lambda call=call, dtype=dtype: call(X.to(dtype)),
+                    TypeError,
+                    op
+                    + r"master must be torch\.float32 \(the FP32 master weight\), "
+                    + found(dtype),
+                )
+            )
         for dtype in (torch.float32, torch.float64, E4M3):
-            cases.append((f"{name}-param-{dtype_id(dtype)}",
-                          lambda call=call, dtype=dtype: call(X, dtype), TypeError,
-                          op + r"param_dtype must be torch\.bfloat16 or torch\.float16, "
-                          + found(dtype)))
-        cases.append((f"{name}-elem-fp16", lambda call=call: call(X, BF16, torch.float16),
-                      TypeError, op + r"elem_dtype must be torch\.float8_e4m3fn or "
-                      r"torch\.float8_e5m2, " + found(torch.float16)))
-        cases.append((f"{name}-scale-mode", lambda call=call: call(X, BF16, E4M3, "round"),
-                      ValueError, op + r'scale_mode must be "floor" or "rceil", got "round"$'))
-    for name, call in (("mx_quantize_dual_from_master", dual),
-                       ("mx_quantize_block_from_master", block)):
+            cases.append(
+                (
+                    f"{name}-param-{dtype_id(dtype)}",
+                    lambda call=call, dtype=dtype: call(X, dtype),
+                    TypeError,
+                    op + r"param_dtype must be torch\.bfloat16 or torch\.float16, " + found(dtype),
+                )
+            )
+        cases.append(
+            (
+                f"{name}-elem-fp16",
+                lambda call=call: call(X, BF16, torch.float16),
+                TypeError,
+                op + r"elem_dtype must be torch\.float8_e4m3fn or "
+                r"torch\.float8_e5m2, " + found(torch.float16),
+            )
+        )
+        cases.append(
+            (
+                f"{name}-scale-mode",
+                lambda call=call: call(X, BF16, E4M3, "round"),
+                ValueError,
+                op + r'scale_mode must be "floor" or "rceil", got "round"$',
+            )
+        )
+    for name, call in (
+        ("mx_quantize_dual_from_master", dual),
+        ("mx_quantize_block_from_master", block),
+    ):
         op = rf"zrw\.{name}: master must be 2-d \(N, K\) or 3-d \(E, N, K\), got shape "
         cases += [
             (f"{name}-1d", lambda call=call: call(X[0]), ValueError, op + r"(\[64\]|\(64,\))$"),
-            (f"{name}-4d", lambda call=call: call(W3[None]), ValueError,
-             op + r"(\[1, 2, 4, 64\]|\(1, 2, 4, 64\))$"),
-            (f"{name}-0d", lambda call=call: call(torch.tensor(1.0)), ValueError,
-             op + r"(\[\]|\(\))$"),
+            (
+                f"{name}-4d",
+                lambda call=call: call(W3[None]),
+                ValueError,
+                op + r"(\[1, 2, 4, 64\]|\(1, 2, 4, 64\))$",
+            ),
+            (
+                f"{name}-0d",
+                lambda call=call: call(torch.tensor(1.0)),
+                ValueError,
+                op + r"(\[\]|\(\))$",
+            ),
         ]
     cases += [
-        ("single-0d", lambda: single(torch.tensor(1.0)), IndexError,
-         r"zrw\.mx_quantize_from_master: master must have at least one dimension, got a 0-d "
-         r"tensor$"),
-        ("single-dim", lambda: single(X, 2), IndexError,
-         r"zrw\.mx_quantize_from_master: dim must be in \[-2, 1\] for a 2-d master, got 2$"),
+        (
+            "single-0d",
+            lambda: single(torch.tensor(1.0)),
+            IndexError,
+            r"zrw\.mx_quantize_from_master: master must have at least one dimension, got a 0-d "
+            r"tensor$",
+        ),
+        (
+            "single-dim",
+            lambda: single(X, 2),
+            IndexError,
+            r"zrw\.mx_quantize_from_master: dim must be in \[-2, 1\] for a 2-d master, got 2$",
+        ),
     ]
     return cases
 
@@ -566,25 +656,50 @@ def _error_cases():
 ERROR_CASES = _error_cases()
 
 
-@pytest.mark.parametrize("call, exc_type, pattern", [c[1:] for c in ERROR_CASES],
-                         ids=[c[0] for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    "call, exc_type, pattern", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
+)
 def test_bad_argument_raises_naming_it(call, exc_type, pattern):
     with pytest.raises(exc_type, match=pattern):
         call()
 
 
-@pytest.mark.parametrize("op, args, exc_type, pattern", [
-    ("mx_quantize_from_master", (torch.float16, -1, BF16, E4M3, "floor"), TypeError,
-     r"master must be torch\.float32"),
-    ("mx_quantize_from_master", (torch.float32, 5, BF16, E4M3, "floor"), IndexError,
-     r"dim must be in"),
-    ("mx_quantize_dual_from_master", (torch.float32, torch.float32, E4M3, "floor"), TypeError,
-     r"param_dtype must be torch\.bfloat16 or torch\.float16"),
-    ("mx_quantize_block_from_master", (torch.float32, BF16, torch.int8, "floor"), TypeError,
-     r"elem_dtype must be"),
-    ("mx_quantize_block_from_master", (torch.float32, BF16, E4M3, "ceil"), ValueError,
-     r"scale_mode must be"),
-], ids=["master-dtype", "dim", "param-dtype", "elem-dtype", "scale-mode"])
+@pytest.mark.parametrize(
+    "op, args, exc_type, pattern",
+    [
+        (
+            "mx_quantize_from_master",
+            (torch.float16, -1, BF16, E4M3, "floor"),
+            TypeError,
+            r"master must be torch\.float32",
+        ),
+        (
+            "mx_quantize_from_master",
+            (torch.float32, 5, BF16, E4M3, "floor"),
+            IndexError,
+            r"dim must be in",
+        ),
+        (
+            "mx_quantize_dual_from_master",
+            (torch.float32, torch.float32, E4M3, "floor"),
+            TypeError,
+            r"param_dtype must be torch\.bfloat16 or torch\.float16",
+        ),
+        (
+            "mx_quantize_block_from_master",
+            (torch.float32, BF16, torch.int8, "floor"),
+            TypeError,
+            r"elem_dtype must be",
+        ),
+        (
+            "mx_quantize_block_from_master",
+            (torch.float32, BF16, E4M3, "ceil"),
+            ValueError,
+            r"scale_mode must be",
+        ),
+    ],
+    ids=["master-dtype", "dim", "param-dtype", "elem-dtype", "scale-mode"],
+)
 def test_fake_kernels_refuse_bad_arguments(op, args, exc_type, pattern):
     master = torch.empty(4, 64, device="meta", dtype=args[0])
     with pytest.raises(exc_type, match=rf"zrw\.{op}: {pattern}"):
@@ -594,21 +709,33 @@ def test_fake_kernels_refuse_bad_arguments(op, args, exc_type, pattern):
 
 
 def test_wrappers_name_a_wrong_typed_argument():
-    with pytest.raises(TypeError, match=r"^zrw\.mx_quantize_from_master: master must be a "
-                                        r"torch\.Tensor, got NoneType$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^zrw\.mx_quantize_from_master: master must be a "
+        r"torch\.Tensor, got NoneType$",
+    ):
         ops.mx_quantize_from_master(None)
-    with pytest.raises(TypeError, match=r"^zrw\.mx_quantize_dual_from_master: param_dtype must "
-                                        r"be a torch\.dtype, got str$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^zrw\.mx_quantize_dual_from_master: param_dtype must "
+        r"be a torch\.dtype, got str$",
+    ):
         ops.mx_quantize_dual_from_master(X, "bf16")
-    with pytest.raises(TypeError, match=r"^zrw\.mx_quantize_block_from_master: scale_mode must "
-                                        r"be a str, got NoneType$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^zrw\.mx_quantize_block_from_master: scale_mode must "
+        r"be a str, got NoneType$",
+    ):
         ops.mx_quantize_block_from_master(X, BF16, E4M3, None)
 
 
 def test_a_master_requiring_grad_is_refused_under_grad_mode():
     master = X.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match=r"^zrw\.mx_quantize_dual_from_master is not "
-                                           r"differentiable, but its argument master requires"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^zrw\.mx_quantize_dual_from_master is not "
+        r"differentiable, but its argument master requires",
+    ):
         ops.mx_quantize_dual_from_master(master)
     with torch.no_grad():
         got = ops.mx_quantize_dual_from_master(master)

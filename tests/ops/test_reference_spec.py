@@ -70,9 +70,9 @@ def test_floor_and_rceil_scale_bytes_for_known_amaxes(k):
     for mantissa, rceil_extra in ((1.0, 0), (1.75, 0), (1.7578125, 1), (1.875, 1), (1.9921875, 1)):
         amax = mantissa * 2.0**k
         assert quantize_one_block([amax], scale_mode="floor")[0] == floor_byte, mantissa
-        assert (
-            quantize_one_block([amax], scale_mode="rceil")[0] == floor_byte + rceil_extra
-        ), mantissa
+        assert quantize_one_block([amax], scale_mode="rceil")[0] == floor_byte + rceil_extra, (
+            mantissa
+        )
 
 
 def test_floor_saturates_and_rceil_does_not():

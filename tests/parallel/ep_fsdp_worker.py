@@ -9,6 +9,7 @@ distributed_config=...) runs). Modes: zrw with release on and off, bf16 (the sam
 zrw: FSDP2's BF16 all-gather), and rank 0 alone unsharded (zrw, release on) on the global batch.
 Several --run's (one per recipe) go in one launch (helpers.worker).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -21,24 +22,42 @@ def build(seed=0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        tie_word_embeddings=False, intermediate_size=128, moe_intermediate_size=64,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+        )
+    )
 
 
 def batches(args):
     """Per step and micro-batch, the global batch: one sequence of 16 tokens per rank."""
-    return worker.batches(args.steps * args.micro_batches,
-                          lambda g: torch.randint(0, VOCAB, (args.world, 16), generator=g))
+    return worker.batches(
+        args.steps * args.micro_batches,
+        lambda g: torch.randint(0, VOCAB, (args.world, 16), generator=g),
+    )
 
 
 def converted(model):
     import zrw
 
-    return [f"{n}.{p}" for n, m in model.named_modules() if zrw.planes.is_zrw_layer(m)
-            for p in m.zrw_quantized]
+    return [
+        f"{n}.{p}"
+        for n, m in model.named_modules()
+        if zrw.planes.is_zrw_layer(m)
+        for p in m.zrw_quantized
+    ]
 
 
 def run_sharded(args, mode):
@@ -57,34 +76,58 @@ def run_sharded(args, mode):
     # A decoder layer's FSDP2 group gathers, besides its converted attention weights, its
     # norms and router in BF16 (the experts have a group of their own, over EP).
     attention = {f"self_attn.{n}_proj.weight" for n in "qkvo"}
-    other = sum(p.numel() for n, p in model.model.layers[0].named_parameters()
-                if n not in attention and not n.startswith("mlp.experts."))
-    model = zrw.parallel.apply_plan(model, DistributedConfig(
-        fsdp_size=args.world, ep_size=args.world, tp_size=1, ep_implementation="all_to_all",
-        fsdp_mixed_precision=True))
-    expert_placements = {n: (str(p.placements), type(p._local_tensor).__name__)
-                         for n, p in model.named_parameters() if ".experts." in n}
+    other = sum(
+        p.numel()
+        for n, p in model.model.layers[0].named_parameters()
+        if n not in attention and not n.startswith("mlp.experts.")
+    )
+    model = zrw.parallel.apply_plan(
+        model,
+        DistributedConfig(
+            fsdp_size=args.world,
+            ep_size=args.world,
+            tp_size=1,
+            ep_implementation="all_to_all",
+            fsdp_mixed_precision=True,
+        ),
+    )
+    expert_placements = {
+        n: (str(p.placements), type(p._local_tensor).__name__)
+        for n, p in model.named_parameters()
+        if ".experts." in n
+    }
     opt = zrw.optim.attach(torch.optim.AdamW(model.parameters(), lr=args.lr), fill="dequant")
     rank = dist.get_rank()
     data = batches(args)
 
     def loss_of(step, mb):
-        ids = data[step * args.micro_batches + mb][rank:rank + 1]
+        ids = data[step * args.micro_batches + mb][rank : rank + 1]
         return model(input_ids=ids, labels=ids).loss
 
     q0 = zrw.testing.shard_quantizations()
     with worker.count_gathered_bytes() as counts:
-        losses, per_step = worker.train(opt, range(args.steps), args.micro_batches, loss_of,
-                                        group=dist.group.WORLD, world=args.world,
-                                        gathered=counts)
+        losses, per_step = worker.train(
+            opt,
+            range(args.steps),
+            args.micro_batches,
+            loss_of,
+            group=dist.group.WORLD,
+            world=args.world,
+            gathered=counts,
+        )
     stats = zrw.cache.cache_stats()
-    return {"losses": losses, "per_step_bytes": per_step, "calls": counts["sizes"],
-            "layer_other_bytes": 2 * other,
-            "converted": names,
-            "quantizations": zrw.testing.shard_quantizations() - q0,
-            "cache_entries": stats["entries"], "restored_bytes": stats["restored_bytes"],
-            "expert_placements": expert_placements,
-            "weights": worker.full_weights(model)}
+    return {
+        "losses": losses,
+        "per_step_bytes": per_step,
+        "calls": counts["sizes"],
+        "layer_other_bytes": 2 * other,
+        "converted": names,
+        "quantizations": zrw.testing.shard_quantizations() - q0,
+        "cache_entries": stats["entries"],
+        "restored_bytes": stats["restored_bytes"],
+        "expert_placements": expert_placements,
+        "weights": worker.full_weights(model),
+    }
 
 
 def run_single(args):
@@ -100,8 +143,13 @@ def run_single(args):
 
     def loss_of(step, mb):
         ids = data[step * args.micro_batches + mb]
-        return sum(model(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss
-                   for r in range(args.world)) / args.world
+        return (
+            sum(
+                model(input_ids=ids[r : r + 1], labels=ids[r : r + 1]).loss
+                for r in range(args.world)
+            )
+            / args.world
+        )
 
     return worker.train(opt, range(args.steps), args.micro_batches, loss_of)[0]
 

@@ -12,6 +12,7 @@ and writes losses, the final weights (full tensors), the all-gather bytes per st
 quantizations and any zrw.fsdp warnings; --expect-error: zrw.fsdp.prepare's refusal;
 --task dcp_save / dcp_resume: see run_dcp. Several --run's go in one launch (helpers.worker).
 """
+
 import warnings
 
 import torch
@@ -54,8 +55,10 @@ def build(args, release=True, seed=0):
 
 def batches(args):
     """Per step and micro-batch, the global batch: dp * tokens rows (dp rank r takes its rows)."""
-    return worker.batches(args.steps * args.micro_batches,
-                          lambda g: torch.randn(args.dp * args.tokens, args.d, generator=g))
+    return worker.batches(
+        args.steps * args.micro_batches,
+        lambda g: torch.randn(args.dp * args.tokens, args.d, generator=g),
+    )
 
 
 def run_single(args):
@@ -64,8 +67,14 @@ def run_single(args):
     model = build(args).to(torch.bfloat16)
     opt = zrw.optim.AdamW(model.parameters(), lr=args.lr)
     data = batches(args)
-    losses, _ = worker.train(opt, range(args.steps), args.micro_batches, lambda s, mb: model(
-        data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean())
+    losses, _ = worker.train(
+        opt,
+        range(args.steps),
+        args.micro_batches,
+        lambda s, mb: (
+            model(data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean()
+        ),
+    )
     return losses, worker.masters_by_name(model, opt)
 
 
@@ -103,9 +112,17 @@ def train_2d(model, opt, mesh, args, data, steps, counts=None):
     all-gathered bytes of each step (with `counts`)."""
     dp_rank = mesh["dp"].get_local_rank()
     rows = slice(dp_rank * args.tokens, (dp_rank + 1) * args.tokens)
-    return worker.train(opt, steps, args.micro_batches, lambda s, mb: model(
-        data[s * args.micro_batches + mb][rows].to(torch.bfloat16)).float().pow(2).mean(),
-        group=mesh["dp"].get_group(), world=args.dp, gathered=counts)
+    return worker.train(
+        opt,
+        steps,
+        args.micro_batches,
+        lambda s, mb: (
+            model(data[s * args.micro_batches + mb][rows].to(torch.bfloat16)).float().pow(2).mean()
+        ),
+        group=mesh["dp"].get_group(),
+        world=args.dp,
+        gathered=counts,
+    )
 
 
 def run_2d(args, release=True):
@@ -130,13 +147,23 @@ def run_2d(args, release=True):
     with worker.count_gathered_bytes() as counts:
         losses, per_step = train_2d(model, opt, mesh, args, data, range(args.steps), counts)
     quantizations = zrw.testing.shard_quantizations() - q0
-    resident = {name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
-                for name, st in states.items() if st["planes"] is not None}
-    sharded = {n: (str(p.placements), tuple(p.device_mesh.mesh_dim_names or ()))
-               for n, p in model.named_parameters()}
-    return {"losses": losses, "weights": worker.full_weights(model), "per_step_bytes": per_step,
-            "quantizations": quantizations, "resident_plane_bytes": resident,
-            "placements": sharded}
+    resident = {
+        name: sum(t.untyped_storage().nbytes() for t in st["planes"].tensors())
+        for name, st in states.items()
+        if st["planes"] is not None
+    }
+    sharded = {
+        n: (str(p.placements), tuple(p.device_mesh.mesh_dim_names or ()))
+        for n, p in model.named_parameters()
+    }
+    return {
+        "losses": losses,
+        "weights": worker.full_weights(model),
+        "per_step_bytes": per_step,
+        "quantizations": quantizations,
+        "resident_plane_bytes": resident,
+        "placements": sharded,
+    }
 
 
 def run_dcp(args):
@@ -156,13 +183,14 @@ def run_dcp(args):
     if args.task == "dcp_save":
         model, opt, mesh = setup_2d(args)
         first, _ = train_2d(model, opt, mesh, args, data, range(2))
-        dcp.save({"model": get_model_state_dict(model),
-                  "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=args.ckpt)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=args.ckpt,
+        )
         rest, _ = train_2d(model, opt, mesh, args, data, range(2, 4))
         return {"first": first, "rest": rest, "weights": worker.full_weights(model)}
     model, opt, mesh = setup_2d(args, seed=1)
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=args.ckpt)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
@@ -204,8 +232,9 @@ if __name__ == "__main__":
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--both-planes", action="store_true")
-    ap.add_argument("--expect-error", action="store_true",
-                    help="zrw.fsdp.prepare must raise: save its message")
+    ap.add_argument(
+        "--expect-error", action="store_true", help="zrw.fsdp.prepare must raise: save its message"
+    )
     ap.add_argument("--task", default="train", choices=["train", "dcp_save", "dcp_resume"])
     ap.add_argument("--ckpt", default="")
     worker.main(worker.each_run(run, ap), ap.parse_args(), quiet=False)

@@ -20,6 +20,7 @@ schedules do) and writes everything to --out.
 
 --cases names what to run (CASES); they run one after the other in one launch.
 """
+
 import gc
 
 import torch
@@ -40,10 +41,17 @@ def build(seed=0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      intermediate_size=128, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).to(torch.bfloat16).train()
 
 
@@ -69,8 +77,9 @@ class Stage(nn.Module):
         pe = self.rotary_emb(h, pos)
         for layer in self.layers.values():
             if self.recompute:
-                h = checkpoint(layer, h, position_ids=pos, position_embeddings=pe,
-                               use_reentrant=False)
+                h = checkpoint(
+                    layer, h, position_ids=pos, position_embeddings=pe, use_reentrant=False
+                )
             else:
                 h = layer(h, position_ids=pos, position_embeddings=pe)
         if self.last:
@@ -100,15 +109,25 @@ def make_stages(model, stage_ids, n_stages, recompute):
 
 def data(steps, micro):
     """Per step, (inputs, targets) of `micro` sequences each (the schedule splits them)."""
-    return worker.batches(steps, lambda g: (torch.randint(0, VOCAB, (micro, SEQ), generator=g),
-                                            torch.randint(0, VOCAB, (micro, SEQ), generator=g)))
+    return worker.batches(
+        steps,
+        lambda g: (
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+            torch.randint(0, VOCAB, (micro, SEQ), generator=g),
+        ),
+    )
 
 
 def converted_weights(modules):
     from zrw.nn.convert import is_zrw_layer
 
-    return [getattr(m, p) for mod in modules for m in mod.modules() if is_zrw_layer(m)
-            for p in m.zrw_quantized]
+    return [
+        getattr(m, p)
+        for mod in modules
+        for m in mod.modules()
+        if is_zrw_layer(m)
+        for p in m.zrw_quantized
+    ]
 
 
 def state(modules):
@@ -129,21 +148,30 @@ def recorder(opt, weights, base):
 
     def pre_step(o, a, k):
         s = zrw.cache.cache_stats()
-        log.append({"released_bytes": s["released_bytes"], "misses": s["misses"],
-                    "hits": s["hits"], "restored": s["restored"],
-                    "restored_bytes": s["restored_bytes"],
-                    "live": zrw.memory.current() - base["live"],
-                    "peak": zrw.memory.peak() - base["live"],
-                    "workspace": zrw.ops.matmul_workspace_bytes(),
-                    "all_released": all(zrw.cache.is_released(w) for w in weights)})
+        log.append(
+            {
+                "released_bytes": s["released_bytes"],
+                "misses": s["misses"],
+                "hits": s["hits"],
+                "restored": s["restored"],
+                "restored_bytes": s["restored_bytes"],
+                "live": zrw.memory.current() - base["live"],
+                "peak": zrw.memory.peak() - base["live"],
+                "workspace": zrw.ops.matmul_workspace_bytes(),
+                "all_released": all(zrw.cache.is_released(w) for w in weights),
+            }
+        )
 
     opt.register_step_pre_hook(pre_step)
     return log
 
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved": "ScheduleInterleaved1F1B",
-             "zero_bubble": "ScheduleInterleavedZeroBubble"}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+}
 
 
 def run_pp(case, mode, steps, micro, world, rank):
@@ -166,19 +194,26 @@ def run_pp(case, mode, steps, micro, world, rank):
         # (what flows between stages requires grad: the stages exchange its gradient)
         hidden = torch.empty(*micro_shape, 64, dtype=torch.bfloat16, requires_grad=True)
         logits = torch.empty(*micro_shape, VOCAB, dtype=torch.bfloat16, requires_grad=True)
-        ins = [torch.zeros(micro_shape, dtype=torch.long) if s == 0 else hidden
-               for s in stage_ids]
+        ins = [torch.zeros(micro_shape, dtype=torch.long) if s == 0 else hidden for s in stage_ids]
         outs = [logits if s == n_stages - 1 else hidden for s in stage_ids]
-        stages = [pipelining.PipelineStage(m, s, n_stages, torch.device("cpu"), input_args=i,
-                                           output_args=o)
-                  for m, s, i, o in zip(mods, stage_ids, ins, outs)]
+        stages = [
+            pipelining.PipelineStage(
+                m, s, n_stages, torch.device("cpu"), input_args=i, output_args=o
+            )
+            for m, s, i, o in zip(mods, stage_ids, ins, outs)
+        ]
     else:
-        stages = [pipelining.PipelineStage(m, s, n_stages, torch.device("cpu"))
-                  for m, s in zip(mods, stage_ids)]
+        stages = [
+            pipelining.PipelineStage(m, s, n_stages, torch.device("cpu"))
+            for m, s in zip(mods, stage_ids)
+        ]
     cls = getattr(pipelining, SCHEDULES[case["schedule"]])
-    sched = cls(stages if per_rank > 1 else stages[0], n_microbatches=micro,
-                loss_fn=scaled_loss_fn(micro) if main_grad else loss_fn,
-                scale_grads=not main_grad)
+    sched = cls(
+        stages if per_rank > 1 else stages[0],
+        n_microbatches=micro,
+        loss_fn=scaled_loss_fn(micro) if main_grad else loss_fn,
+        scale_grads=not main_grad,
+    )
     params = [p for m in mods for p in m.parameters()]
     opt = zrw.optim.AdamW(params, lr=LR, weight_decay=0.0)
     weights = converted_weights(mods)
@@ -206,9 +241,15 @@ def run_pp(case, mode, steps, micro, world, rank):
             losses += [t.detach().float().clone() for t in got]
         opt.step()
         opt.zero_grad()
-    out = {"losses": torch.stack(losses) if losses else None, "log": log,
-           "weights": state(mods), "elements": sum(w.numel() for w in weights),
-           "n_weights": len(weights), "stage_ids": stage_ids, "starts": starts}
+    out = {
+        "losses": torch.stack(losses) if losses else None,
+        "log": log,
+        "weights": state(mods),
+        "elements": sum(w.numel() for w in weights),
+        "n_weights": len(weights),
+        "stage_ids": stage_ids,
+        "starts": starts,
+    }
     del sched, stages, opt, mods
     zrw.cache.cache_clear()
     return out
@@ -252,8 +293,9 @@ CASES = {
     "interleaved_mxfp8": dict(schedule="interleaved", recipe="mxfp8"),
     "interleaved_32x32": dict(schedule="interleaved", recipe="mxfp8-32x32"),
     "1f1b_mxfp8_recompute": dict(schedule="1f1b", recipe="mxfp8", recompute=True),
-    "interleaved_32x32_recompute": dict(schedule="interleaved", recipe="mxfp8-32x32",
-                                        recompute=True),
+    "interleaved_32x32_recompute": dict(
+        schedule="interleaved", recipe="mxfp8-32x32", recompute=True
+    ),
     # input and weight gradients in separate backward passes (torch.autograd.grad for each)
     "zero_bubble_32x32": dict(schedule="zero_bubble", recipe="mxfp8-32x32"),
     # FP32 main_grad (zrw.convert(main_grad=True)); the schedule's scale_grads divides .grad
@@ -279,8 +321,9 @@ def run(args):
             res[name][mode] = gathered
     if args.rank == 0:
         refs = sorted({(CASES[n]["recipe"], CASES[n].get("main_grad", False)) for n in names})
-        res["unsharded"] = {(r, mg): run_unsharded(r, args.steps, args.micro_batches, mg)
-                            for r, mg in refs}
+        res["unsharded"] = {
+            (r, mg): run_unsharded(r, args.steps, args.micro_batches, mg) for r, mg in refs
+        }
     return res
 
 

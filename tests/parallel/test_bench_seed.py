@@ -3,6 +3,7 @@ needs several GiB and minutes; its table is in docs/benchmarks.md). The seed's t
 on their real rank counts (1; TP=4; EP=2 with TP=2), the pipeline-parallel one (PP=2,
 Schedule1F1B) and the 2-D one (TP=2 x FSDP2=2 on 4 ranks), gloo ranks spawned by the
 benchmark."""
+
 import json
 import os
 import subprocess
@@ -20,10 +21,26 @@ STEPS = 12
 
 
 def run_tiny(config, steps=STEPS):
-    out = subprocess.run([sys.executable, "-m", "zrw.bench", "seed", "--tiny", "--tokens", "32",
-                          "--config", config, "--steps", str(steps), "--json"],
-                         capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zrw.bench",
+            "seed",
+            "--tiny",
+            "--tokens",
+            "32",
+            "--config",
+            config,
+            "--steps",
+            str(steps),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     return {c["config"]: c for c in res["configs"]}
@@ -67,8 +84,10 @@ def test_bench_seed_tiny_json_tp4():
     assert sorted(configs) == ["5.1", "5.2"]
     check_configs(configs)
     # TP=4 splits the layer's weights in four; EP=2 gives each rank half the experts
-    assert configs["5.2"]["ranks"][0]["converted_params"] == \
-        configs["5.1"]["ranks"][0]["converted_params"] * 6 // 2 // 4
+    assert (
+        configs["5.2"]["ranks"][0]["converted_params"]
+        == configs["5.1"]["ranks"][0]["converted_params"] * 6 // 2 // 4
+    )
 
 
 def test_bench_seed_pp_tiny_json():
@@ -110,6 +129,7 @@ def test_bench_seed_2d_tiny_json():
         assert r["losses_bitwise_equal"], (r["losses_before"], r["losses_after"])
         # every step gathers fewer bytes (the tiny model's norms, embeddings and head, gathered
         # in BF16 in both modes, weigh more here than at the real shapes: 0.521x there)
-        assert all(a < 0.7 * b for a, b in zip(r["gathered_bytes_after"],
-                                                r["gathered_bytes_before"]))
+        assert all(
+            a < 0.7 * b for a, b in zip(r["gathered_bytes_after"], r["gathered_bytes_before"])
+        )
         assert r["window_saving_bytes"] > 0 and r["theory_bytes"] > 0

@@ -2,6 +2,7 @@
 local shard, the tensor the cache holds for it: the same entry, state, name, master and restore
 as the layers and zrw.parallel use. Before, they silently worked on the DTensor wrapper (state 0,
 no entry). One gloo rank on a 1-d mesh, in a child process (a process group is process-wide)."""
+
 import subprocess
 import sys
 
@@ -126,7 +127,12 @@ os._exit(0)
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
 def test_cache_calls_given_a_dtensor_work_on_its_local_shard(recipe):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(ranks.free_port()), recipe],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), \
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ranks.free_port()), recipe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (
         r.stdout[-3000:] + r.stderr[-3000:]
+    )

@@ -8,6 +8,7 @@
   tests/parallel/ep_fsdp_worker.py).
 See the workers' docstrings for the modes each launch runs. The 4-rank cases share one launch
 (and the DCP resume a second one: fresh processes), both recipes of the EP case another."""
+
 import os
 
 import pytest
@@ -78,8 +79,7 @@ def test_fsdp_x_tp_gathers_fp8_planes_of_tp_local_shards(runs, recipe):
 
 def test_fsdp_x_tp_dcp_resume_in_fresh_processes_is_bitwise(runs, ckpt, tmp_path):
     saved = runs["dcp_save"]
-    resumed = ranks.launch(WORKER, tmp_path, "--task", "dcp_resume", "--ckpt", str(ckpt),
-                           world=4)
+    resumed = ranks.launch(WORKER, tmp_path, "--task", "dcp_resume", "--ckpt", str(ckpt), world=4)
     assert resumed["rest"] == saved["rest"]
     for n, w in saved["weights"].items():
         assert torch.equal(resumed["weights"][n], w), n
@@ -89,8 +89,13 @@ def test_fsdp_x_tp_dcp_resume_in_fresh_processes_is_bitwise(runs, ckpt, tmp_path
 def test_a_tp_split_that_cuts_a_block_is_refused(runs):
     msg = runs["tp_cut"]["error"]
     assert msg is not None
-    for part in ("'blocks.0.fc1.weight'", "mesh dimension 'tp'", "48 per rank",
-                 "not a multiple of the MX block (32)", "Use a parallel degree"):
+    for part in (
+        "'blocks.0.fc1.weight'",
+        "mesh dimension 'tp'",
+        "48 per rank",
+        "not a multiple of the MX block (32)",
+        "Use a parallel degree",
+    ):
         assert part in msg, msg
 
 
@@ -106,8 +111,11 @@ def test_a_dp_split_that_cuts_a_block_gathers_bf16_with_a_warning(runs):
 
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
-    out = ranks.launch(EP_WORKER, tmp_path_factory.mktemp("ep"),
-                       *[a for recipe in LIMIT for a in ("--run", f"--recipe {recipe}")])
+    out = ranks.launch(
+        EP_WORKER,
+        tmp_path_factory.mktemp("ep"),
+        *[a for recipe in LIMIT for a in ("--run", f"--recipe {recipe}")],
+    )
     return dict(zip(LIMIT, out))
 
 

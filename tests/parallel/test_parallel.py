@@ -14,6 +14,7 @@ transformers' own engine (tp_plan, ep_plan) and train 3 steps x 2 micro-batches.
     are restored and written back exactly;
   * misuse is refused with errors that name the weight and the fix.
 """
+
 import os
 
 import pytest
@@ -25,8 +26,15 @@ pytest.importorskip("transformers")
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
 
-TWO_RANK = ["torch_dense", "torch_moe", "hf_dense", "hf_moe_tp", "hf_moe_ep", "hf_moe_ep_bf16",
-            "errors"]
+TWO_RANK = [
+    "torch_dense",
+    "torch_moe",
+    "hf_dense",
+    "hf_moe_tp",
+    "hf_moe_ep",
+    "hf_moe_ep_bf16",
+    "errors",
+]
 FOUR_RANK = ["hf_moe_ep4", "torch_dense_tp4"]
 LR, STEPS = 1e-2, 3  # tp_worker's AdamW learning rate and steps
 
@@ -38,8 +46,9 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return ranks.launch(WORKER, tmp_path_factory.mktemp("tp4"), "--cases", ",".join(FOUR_RANK),
-                        world=4)
+    return ranks.launch(
+        WORKER, tmp_path_factory.mktemp("tp4"), "--cases", ",".join(FOUR_RANK), world=4
+    )
 
 
 def converted(name):
@@ -94,8 +103,13 @@ def check_experts_without_tokens(out, vs_unsharded=True):
     assert on["tokens_per_expert"] == off["tokens_per_expert"]
     if vs_unsharded:
         assert on["tokens_per_expert"] == ref["tokens_per_expert"]  # the same routing
-    idle = [(s, layer, e) for s, step in enumerate(on["tokens_per_expert"])
-            for layer, counts in enumerate(step) for e, c in enumerate(counts) if c == 0]
+    idle = [
+        (s, layer, e)
+        for s, step in enumerate(on["tokens_per_expert"])
+        for layer, counts in enumerate(step)
+        for e, c in enumerate(counts)
+        if c == 0
+    ]
     assert idle, "every expert got tokens: the case tests nothing"
     assert (0, 0, 0) in idle  # the zero router's first step
     for s, layer, e in idle:
@@ -103,8 +117,9 @@ def check_experts_without_tokens(out, vs_unsharded=True):
             n = f"model.layers.{layer}.mlp.experts.{stack}"
             assert torch.equal(on["weights"][n][e], off["weights"][n][e]), (n, e, s)
             if vs_unsharded:
-                torch.testing.assert_close(on["weights"][n][e], ref["weights"][n][e], rtol=0,
-                                           atol=2 * LR * STEPS)
+                torch.testing.assert_close(
+                    on["weights"][n][e], ref["weights"][n][e], rtol=0, atol=2 * LR * STEPS
+                )
 
 
 @pytest.mark.parametrize("case", [c for c in TWO_RANK if c != "errors"])

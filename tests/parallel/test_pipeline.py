@@ -31,6 +31,7 @@ In one process: pipeline() (tracing through torch.export) is refused with zrw's 
 torch.autograd.grad for the inputs alone leaves main_grad untouched (the zrw bug PipelineStage's
 metadata inference exposed).
 """
+
 import os
 import statistics
 
@@ -49,14 +50,23 @@ STEPS, MICRO = 3, 4
 # The default run: every schedule (mxfp8 under each; mxfp8-32x32 under the interleaved and the
 # zero-bubble ones), recompute under both a plain and an interleaved schedule, main_grad, static
 # shapes; 4 stages (middle stages included) on 2 ranks with the interleaved schedules.
-TWO_RANK = ["gpipe_mxfp8", "1f1b_mxfp8", "interleaved_mxfp8", "1f1b_mxfp8_recompute",
-            "interleaved_32x32_recompute", "zero_bubble_32x32", "1f1b_mxfp8_main_grad",
-            "gpipe_mxfp8_static"]
+TWO_RANK = [
+    "gpipe_mxfp8",
+    "1f1b_mxfp8",
+    "interleaved_mxfp8",
+    "1f1b_mxfp8_recompute",
+    "interleaved_32x32_recompute",
+    "zero_bubble_32x32",
+    "1f1b_mxfp8_main_grad",
+    "gpipe_mxfp8_static",
+]
 # -m slow: the remaining schedule x recipe pairs, and 4 stages on 4 ranks (one each).
 TWO_RANK_SLOW = ["gpipe_32x32", "1f1b_32x32", "interleaved_32x32"]
 FOUR_RANK = ["1f1b_32x32_4stages"]
-RECIPE = {name: "mxfp8-32x32" if "32x32" in name else "mxfp8"
-          for name in TWO_RANK + TWO_RANK_SLOW + FOUR_RANK}
+RECIPE = {
+    name: "mxfp8-32x32" if "32x32" in name else "mxfp8"
+    for name in TWO_RANK + TWO_RANK_SLOW + FOUR_RANK
+}
 # Bytes the counting allocator may see beside the 2N difference between the modes: gloo's
 # threads drop a send's buffers at a moment of their own (a few hundred bytes seen). The
 # smallest converted weight (k_proj, 32 x 64) holds 4 KiB of BF16, so no weight's BF16 storage
@@ -66,20 +76,45 @@ SLACK = 4096
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return ranks.launch(WORKER, tmp_path_factory.mktemp("pp2"), "--cases", ",".join(TWO_RANK),
-                        "--steps", str(STEPS), "--micro", str(MICRO))
+    return ranks.launch(
+        WORKER,
+        tmp_path_factory.mktemp("pp2"),
+        "--cases",
+        ",".join(TWO_RANK),
+        "--steps",
+        str(STEPS),
+        "--micro",
+        str(MICRO),
+    )
 
 
 @pytest.fixture(scope="module")
 def two_ranks_slow(tmp_path_factory):
-    return ranks.launch(WORKER, tmp_path_factory.mktemp("pp2s"), "--cases",
-                        ",".join(TWO_RANK_SLOW), "--steps", str(STEPS), "--micro", str(MICRO))
+    return ranks.launch(
+        WORKER,
+        tmp_path_factory.mktemp("pp2s"),
+        "--cases",
+        ",".join(TWO_RANK_SLOW),
+        "--steps",
+        str(STEPS),
+        "--micro",
+        str(MICRO),
+    )
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return ranks.launch(WORKER, tmp_path_factory.mktemp("pp4"), "--cases", ",".join(FOUR_RANK),
-                        "--steps", str(STEPS), "--micro", str(MICRO), world=4)
+    return ranks.launch(
+        WORKER,
+        tmp_path_factory.mktemp("pp4"),
+        "--cases",
+        ",".join(FOUR_RANK),
+        "--steps",
+        str(STEPS),
+        "--micro",
+        str(MICRO),
+        world=4,
+    )
 
 
 def last_rank_losses(runs):
@@ -130,6 +165,7 @@ def check_case(res, name, world):
             assert s["restored"] == 0 and s["restored_bytes"] == 0, (rank, i, s)
         for i, s in enumerate(b["log"]):
             assert s["released_bytes"] == 0 and not s["all_released"], (rank, i)
+
         # zrw.memory: 2N less at the end of every schedule.step() and at the start of every
         # step after the first; the window peak (the schedule) 2N lower; no growth in steps 2..
         # mx_matmul's tile workspace (a constant that persists between GEMMs, at most 40 MiB) is
@@ -142,16 +178,20 @@ def check_case(res, name, world):
         def ws(r):
             return [x["workspace"] for x in r["log"]]
 
-        live = [x["live"] - wx - (y["live"] - wy)
-                for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))]
+        live = [
+            x["live"] - wx - (y["live"] - wy)
+            for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))
+        ]
         assert all(abs(d - n2) < SLACK for d in live), (rank, live, n2)
         # a step's start holds the workspace the previous step ended with
         starts = [x - y for x, y in zip(b["starts"], a["starts"])]
         starts[1:] = [d - wx + wy for d, wx, wy in zip(starts[1:], ws(b), ws(a))]
         assert starts[0] == 0  # the baseline (both modes start step 1 with the BF16 weights)
         assert all(abs(d - n2) < SLACK for d in starts[1:]), (rank, starts, n2)
-        peaks = [x["peak"] - wx - (y["peak"] - wy)
-                 for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))]
+        peaks = [
+            x["peak"] - wx - (y["peak"] - wy)
+            for x, y, wx, wy in zip(b["log"], a["log"], ws(b), ws(a))
+        ]
         assert abs(statistics.median(peaks) - n2) < SLACK, (rank, peaks, n2)
         assert max(a["starts"][1:]) - min(a["starts"][1:]) < SLACK, (rank, a["starts"])
 
@@ -193,11 +233,15 @@ def test_schedules_interleave_differently(two_ranks):
 
 # ---- one process -----------------------------------------------------------------------------
 
+
 class Blocks(nn.Module):
     def __init__(self, mx=False):
         super().__init__()
-        make = (lambda: zrw.nn.MXLinear(64, 64, bias=False)) if mx else \
-            (lambda: nn.Linear(64, 64, bias=False))
+        make = (
+            (lambda: zrw.nn.MXLinear(64, 64, bias=False))
+            if mx
+            else (lambda: nn.Linear(64, 64, bias=False))
+        )
         self.layers = nn.ModuleList([make() for _ in range(4)])
 
     def forward(self, x):

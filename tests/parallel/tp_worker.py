@@ -17,6 +17,7 @@ writes everything (losses, first-step gradients, final weights, all gathered who
 
 --cases names what to run (CASES, or "errors"); they run one after the other in one launch.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -26,8 +27,18 @@ VOCAB = 128
 LR = 1e-2  # AdamW
 
 
-def build(kind, heads, kv_heads, ffn, moe_ffn, experts, act="fp32", freeze_head_norms=False,
-          seed=0, layers=2):
+def build(
+    kind,
+    heads,
+    kv_heads,
+    ffn,
+    moe_ffn,
+    experts,
+    act="fp32",
+    freeze_head_norms=False,
+    seed=0,
+    layers=2,
+):
     """The converted layers' weights (linears, expert stacks; not lm_head) are BF16, as zrw
     releases them. act="fp32" keeps everything else (embeddings, norms, router, head) in FP32,
     so that activations, partial products and the engines' collectives are FP32 and a sharded
@@ -35,15 +46,29 @@ def build(kind, heads, kv_heads, ffn, moe_ffn, experts, act="fp32", freeze_head_
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                  max_position_embeddings=64, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     if kind == "dense":
         model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=ffn, **common))
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            intermediate_size=ffn, moe_intermediate_size=moe_ffn, num_experts=experts,
-            num_experts_per_tok=2, decoder_sparse_step=1, **common))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                intermediate_size=ffn,
+                moe_intermediate_size=moe_ffn,
+                num_experts=experts,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                **common,
+            )
+        )
         # A zero router sends every token of the first step to the same two experts (a tie
         # that top-k breaks the same way for every token): the other experts get no token in
         # that step and must still be restored and written back exactly.
@@ -140,9 +165,11 @@ def train(model, data, args, record_routing=False):
     counts, hooks = [], []
     if record_routing:
         for i, layer in enumerate(model.model.layers):
+
             def rec(m, inp, out, i=i):
                 idx = out[2].reshape(-1)
                 counts[-1][i] += torch.bincount(idx, minlength=m.num_experts)
+
             hooks.append(layer.mlp.gate.register_forward_hook(rec))
 
     def loss_of(step, mb):
@@ -155,8 +182,12 @@ def train(model, data, args, record_routing=False):
     for h in hooks:
         h.remove()
     zrw.cache.cache_clear()
-    return {"losses": torch.tensor(losses), "released": released, "grads": grads,
-            "tokens_per_expert": [[c.tolist() for c in s] for s in counts]}
+    return {
+        "losses": torch.tensor(losses),
+        "released": released,
+        "grads": grads,
+        "tokens_per_expert": [[c.tolist() for c in s] for s in counts],
+    }
 
 
 def local_converted_elements(model):
@@ -175,10 +206,15 @@ def run_case(case, args, world, rank):
     import zrw
 
     engine, kind = case["engine"], case["kind"]
-    shape = dict(heads=case.get("heads", 4), kv_heads=case.get("kv_heads", 2),
-                 ffn=case.get("ffn", 128), moe_ffn=case.get("moe_ffn", 64),
-                 experts=case.get("experts", 4), act=case.get("act", "fp32"),
-                 freeze_head_norms=(engine == "hf"))
+    shape = dict(
+        heads=case.get("heads", 4),
+        kv_heads=case.get("kv_heads", 2),
+        ffn=case.get("ffn", 128),
+        moe_ffn=case.get("moe_ffn", 64),
+        experts=case.get("experts", 4),
+        act=case.get("act", "fp32"),
+        freeze_head_norms=(engine == "hf"),
+    )
     data = batches(args.steps * args.micro_batches)
     main_grad = case.get("main_grad", False)
     # The runs are compared with the unsharded one, which must route every token to the same
@@ -203,14 +239,17 @@ def run_case(case, args, world, rank):
                 zrw.convert(model, recipe, release=True, main_grad=main_grad)
             summary = zrw.parallel.prepare(model)
             r = train(model, data, args, record_routing=(kind == "moe"))
-            r["prepare"] = {"local_elements": summary.local_elements,
-                            "release_bytes": summary.release_bytes,
-                            "weights": summary.weights}
+            r["prepare"] = {
+                "local_elements": summary.local_elements,
+                "release_bytes": summary.release_bytes,
+                "weights": summary.weights,
+            }
             r["counted_elements"] = local_converted_elements(model)
             r["weights"] = worker.full_weights(model)
             gathered = [None] * world
-            dist.all_gather_object(gathered, {k: r[k] for k in ("released", "prepare",
-                                                                 "counted_elements")})
+            dist.all_gather_object(
+                gathered, {k: r[k] for k in ("released", "prepare", "counted_elements")}
+            )
             r["per_rank"] = gathered
             key = mode if order == "before" else f"{mode}_{order}"
             out[key] = r
@@ -280,8 +319,11 @@ def run_errors(args, world, rank):
     full = worker.full
     same = torch.equal(full(sd[name]), full(master).bfloat16().float())  # collective: all ranks
     out["state_dict_mid_step"] = (
-        zrw.parallel.is_dtensor(sd[name]) and sd[name].placements == weight.placements and same
-        and zrw.cache.is_released(zrw.parallel.local_tensor(weight)))
+        zrw.parallel.is_dtensor(sd[name])
+        and sd[name].placements == weight.placements
+        and same
+        and zrw.cache.is_released(zrw.parallel.local_tensor(weight))
+    )
     zrw.cache.restore_all("master")
     sd = model.state_dict()
     out["restored_equals_master"] = torch.equal(full(sd[name]), full(master).bfloat16().float())
@@ -307,9 +349,12 @@ CASES = {
 
 
 def run(args):
-    return {name: run_errors(args, args.world, args.rank) if name == "errors"
-            else run_case(CASES[name], args, args.world, args.rank)
-            for name in args.cases.split(",")}
+    return {
+        name: run_errors(args, args.world, args.rank)
+        if name == "errors"
+        else run_case(CASES[name], args, args.world, args.rank)
+        for name in args.cases.split(",")
+    }
 
 
 if __name__ == "__main__":

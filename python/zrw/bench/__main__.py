@@ -1,4 +1,5 @@
 """`python -m zrw.bench NAME [--json]`: run one benchmark by name."""
+
 import importlib
 import sys
 

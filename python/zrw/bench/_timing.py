@@ -1,4 +1,5 @@
 """Small timing and measuring helpers shared by the benchmarks."""
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,12 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> None
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
     print(title)
     for i, r in enumerate(cells):
-        print("  " + "  ".join(str(c).rjust(w) if j else str(c).ljust(w)
-                               for j, (c, w) in enumerate(zip(r, widths))))
+        print(
+            "  "
+            + "  ".join(
+                str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(r, widths))
+            )
+        )
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
@@ -38,8 +43,9 @@ def _fmt(c: object) -> str:
     return str(c)
 
 
-def best_of_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 7,
-                        warmup: int = 2) -> dict[str, float]:
+def best_of_interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int = 7, warmup: int = 2
+) -> dict[str, float]:
     """Best wall time in seconds of each function, calling them in turn for `rounds` rounds.
 
     Round-robin rather than one function after the other: this machine's speed drifts over
@@ -74,7 +80,8 @@ def glibc_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )
 
 
 def warm_heap() -> bool:
@@ -91,12 +98,14 @@ def fresh_pages() -> bool:
 
 def recording(fn: Callable, record: Callable[[float], None]) -> Callable:
     """fn, wrapped to pass the seconds of each call (also one that raises) to `record`."""
+
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             record(time.perf_counter() - t0)
+
     return timed
 
 

@@ -29,6 +29,7 @@ Settings: `--setting tiny` (a test: seconds), `default` (2 seeds, under 10 minut
 `long` (3 seeds, 200 steps: ~3x the tokens; the figures in docs/accuracy.md, about an hour on one
 core of the machine named there). Any option given overrides the setting's value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,16 +68,16 @@ class AccuracyConfig:
     seeds: List[int] = field(default_factory=lambda: [0, 1])
     vocab: int = 4096
     lr: float = 2e-3
-    warmup: float = 0.1          # fraction of the steps with a linear warmup (then cosine to 10%)
+    warmup: float = 0.1  # fraction of the steps with a linear warmup (then cosine to 10%)
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
-    heldout_percent: int = 10    # files whose path hashes into this percentage are held out
+    heldout_percent: int = 10  # files whose path hashes into this percentage are held out
     tokenizer_bytes: int = 4_000_000
     heldout_bytes: int = 4_000_000  # held-out text the evaluation windows are spread over
     eval_seqs: int = 32
     eval_every: int = 25
     telemetry_at: List[int] = field(default_factory=list)  # steps; empty: first, middle, last
-    baseline: str = "bf16"       # or "fp32"
+    baseline: str = "bf16"  # or "fp32"
     modes: List[str] = field(default_factory=lambda: list(MX_MODES))
     release_off: Optional[str] = "mxfp8-32x32/rceil"
     threads: int = 1
@@ -84,14 +85,26 @@ class AccuracyConfig:
 
 
 SETTINGS = {
-    "tiny": dict(hidden=64, layers=1, seq=64, batch=2, steps=4, seeds=[0], vocab=384,
-                 tokenizer_bytes=150_000, heldout_bytes=200_000, eval_seqs=4, eval_every=2),
+    "tiny": dict(
+        hidden=64,
+        layers=1,
+        seq=64,
+        batch=2,
+        steps=4,
+        seeds=[0],
+        vocab=384,
+        tokenizer_bytes=150_000,
+        heldout_bytes=200_000,
+        eval_seqs=4,
+        eval_every=2,
+    ),
     "default": dict(),
     "long": dict(steps=200, seeds=[0, 1, 2], eval_every=25, eval_seqs=64, release_off=None),
 }
 
 
 # ---- data ------------------------------------------------------------------------------------
+
 
 def stdlib_files() -> List[tuple]:
     """(relative path, path) of the standard library's .py files, site-packages excluded, in a
@@ -133,8 +146,13 @@ def train_tokenizer(train_files, vocab: int, max_bytes: int):
         texts.append(text)
         total += len(text)
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(texts, vocab_size=vocab, min_frequency=2,
-                            special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(
+        texts,
+        vocab_size=vocab,
+        min_frequency=2,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
     return tok
 
 
@@ -150,8 +168,10 @@ def token_windows(tok, files, n_windows: int, seq: int) -> torch.Tensor:
         ids.extend(tok.encode(_read(path)).ids)
         ids.append(eot)
     if len(ids) < need:
-        raise ValueError(f"zrw.bench.accuracy: the files hold {len(ids)} tokens, fewer than the "
-                         f"{need} asked for ({n_windows} windows of {seq})")
+        raise ValueError(
+            f"zrw.bench.accuracy: the files hold {len(ids)} tokens, fewer than the "
+            f"{need} asked for ({n_windows} windows of {seq})"
+        )
     return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq)
 
 
@@ -172,17 +192,19 @@ def spread_windows(tok, files, n_windows: int, seq: int, max_bytes: int) -> tupl
         ids.append(eot)
     available = len(ids) // seq
     if available < n_windows:
-        raise ValueError(f"zrw.bench.accuracy: the held-out files hold {available} windows of "
-                         f"{seq} tokens, fewer than the {n_windows} asked for")
-    stream = torch.tensor(ids[:available * seq], dtype=torch.long).view(available, seq)
+        raise ValueError(
+            f"zrw.bench.accuracy: the held-out files hold {available} windows of "
+            f"{seq} tokens, fewer than the {n_windows} asked for"
+        )
+    stream = torch.tensor(ids[: available * seq], dtype=torch.long).view(available, seq)
     picks = torch.linspace(0, available - 1, n_windows).round().long()
     return stream[picks], used
 
 
 @dataclass
 class Corpus:
-    train: torch.Tensor       # (steps * batch, seq), in file order; each seed permutes it
-    heldout: torch.Tensor     # (eval_seqs, seq)
+    train: torch.Tensor  # (steps * batch, seq), in file order; each seed permutes it
+    heldout: torch.Tensor  # (eval_seqs, seq)
     info: dict
 
 
@@ -192,29 +214,42 @@ def build_corpus(c: AccuracyConfig) -> Corpus:
     train_files, heldout_files = split_files(files, c.heldout_percent)
     tok = train_tokenizer(train_files, c.vocab, c.tokenizer_bytes)
     train = token_windows(tok, train_files, c.steps * c.batch, c.seq)
-    heldout, heldout_used = spread_windows(tok, heldout_files, c.eval_seqs, c.seq,
-                                           c.heldout_bytes)
-    info = {"source": sysconfig.get_paths()["stdlib"], "files": len(files),
-            "train_files": len(train_files), "heldout_files": len(heldout_files),
-            "train_bytes": sum(os.path.getsize(p) for _, p in train_files),
-            "heldout_bytes": sum(os.path.getsize(p) for _, p in heldout_files),
-            "heldout_files_sampled": heldout_used,
-            "vocab": tok.get_vocab_size(), "train_tokens": train.numel(),
-            "heldout_tokens": heldout.numel(), "seconds": time.perf_counter() - t0}
+    heldout, heldout_used = spread_windows(tok, heldout_files, c.eval_seqs, c.seq, c.heldout_bytes)
+    info = {
+        "source": sysconfig.get_paths()["stdlib"],
+        "files": len(files),
+        "train_files": len(train_files),
+        "heldout_files": len(heldout_files),
+        "train_bytes": sum(os.path.getsize(p) for _, p in train_files),
+        "heldout_bytes": sum(os.path.getsize(p) for _, p in heldout_files),
+        "heldout_files_sampled": heldout_used,
+        "vocab": tok.get_vocab_size(),
+        "train_tokens": train.numel(),
+        "heldout_tokens": heldout.numel(),
+        "seconds": time.perf_counter() - t0,
+    }
     return Corpus(train, heldout, info)
 
 
 # ---- model and training ----------------------------------------------------------------------
+
 
 def build_model(c: AccuracyConfig, vocab: int, seed: int, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     heads = max(1, c.hidden // 32)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=c.hidden, num_hidden_layers=c.layers,
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      head_dim=32, intermediate_size=3 * c.hidden,
-                      max_position_embeddings=c.seq, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        intermediate_size=3 * c.hidden,
+        max_position_embeddings=c.seq,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).to(dtype)
 
 
@@ -239,8 +274,7 @@ def _lr_lambda(c: AccuracyConfig):
 @torch.no_grad()
 def heldout_loss(model, heldout: torch.Tensor, batch: int) -> float:
     model.eval()
-    losses = [float(model(input_ids=chunk, labels=chunk).loss)
-              for chunk in heldout.split(batch)]
+    losses = [float(model(input_ids=chunk, labels=chunk).loss) for chunk in heldout.split(batch)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -251,23 +285,29 @@ def telemetry_steps(c: AccuracyConfig) -> List[int]:
     return sorted({0, c.steps // 2, c.steps - 1})
 
 
-def train_one(c: AccuracyConfig, corpus: Corpus, seed: int, mode: str, release: bool = True,
-              progress=None) -> dict:
+def train_one(
+    c: AccuracyConfig, corpus: Corpus, seed: int, mode: str, release: bool = True, progress=None
+) -> dict:
     """Train one mode from `seed`; returns its curves, final held-out loss and telemetry."""
     dtype = torch.float32 if mode == BASELINE and c.baseline == "fp32" else torch.bfloat16
     model = build_model(c, corpus.info["vocab"], seed, dtype)
     if mode != BASELINE:
         zrw.convert(model, mode_recipe(mode), release=release)
     model.train()
-    opt = zrw.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95),
-                          weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+    opt = zrw.optim.AdamW(
+        model.parameters(),
+        lr=c.lr,
+        betas=(0.9, 0.95),
+        weight_decay=c.weight_decay,
+        max_grad_norm=c.max_grad_norm,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c))
     order = torch.randperm(corpus.train.shape[0], generator=torch.Generator().manual_seed(seed))
     tel_at = set(telemetry_steps(c)) if mode != BASELINE else set()
     train_losses, evals, telemetry = [], [], []
     t0 = time.perf_counter()
     for step in range(c.steps):
-        ids = corpus.train[order[step * c.batch:(step + 1) * c.batch]]
+        ids = corpus.train[order[step * c.batch : (step + 1) * c.batch]]
         tel = zrw.telemetry.collect(model) if step in tel_at else None
         if tel is not None:
             tel.start()
@@ -283,14 +323,24 @@ def train_one(c: AccuracyConfig, corpus: Corpus, seed: int, mode: str, release: 
         if (step + 1) % c.eval_every == 0 or step + 1 == c.steps:
             evals.append((step + 1, heldout_loss(model, corpus.heldout, c.batch)))
         if progress is not None:
-            progress(f"seed {seed} {mode}{'' if release else ' (release off)'}: step "
-                     f"{step + 1}/{c.steps} loss {train_losses[-1]:.3f}")
+            progress(
+                f"seed {seed} {mode}{'' if release else ' (release off)'}: step "
+                f"{step + 1}/{c.steps} loss {train_losses[-1]:.3f}"
+            )
     seconds = time.perf_counter() - t0
     del model, opt
     zrw.cache.cache_clear()
-    return {"seed": seed, "mode": mode, "release": release, "train_loss": train_losses,
-            "heldout": evals, "final_heldout": evals[-1][1], "seconds": seconds,
-            "seconds_per_step": seconds / c.steps, "telemetry": telemetry}
+    return {
+        "seed": seed,
+        "mode": mode,
+        "release": release,
+        "train_loss": train_losses,
+        "heldout": evals,
+        "final_heldout": evals[-1][1],
+        "seconds": seconds,
+        "seconds_per_step": seconds / c.steps,
+        "telemetry": telemetry,
+    }
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -308,14 +358,24 @@ def spread(values: List[float]) -> dict:
     std = statistics.stdev(values) if n > 1 else 0.0
     ci95 = (_T95[n - 2] if n - 2 < len(_T95) else 2.0) * std / math.sqrt(n) if n > 1 else math.inf
     resolved = n > 1 and abs(mean) > ci95
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n,
-            "ci95": ci95, "values": list(values), "resolved": resolved}
+    return {
+        "mean": mean,
+        "std": std,
+        "min": min(values),
+        "max": max(values),
+        "n": n,
+        "ci95": ci95,
+        "values": list(values),
+        "resolved": resolved,
+    }
 
 
 def verdict(s: dict, what: str, unit: str = "%") -> str:
     """A plain sentence about a spread() of differences."""
-    body = (f"{what}: {s['mean']:+.2f}{unit} (sd {s['std']:.2f}, range {s['min']:+.2f} to "
-            f"{s['max']:+.2f}, {s['n']} seed{'s' if s['n'] != 1 else ''})")
+    body = (
+        f"{what}: {s['mean']:+.2f}{unit} (sd {s['std']:.2f}, range {s['min']:+.2f} to "
+        f"{s['max']:+.2f}, {s['n']} seed{'s' if s['n'] != 1 else ''})"
+    )
     if s["n"] < 2:
         return body + "; one seed decides nothing"
     ci = f"95% CI of the mean +-{s['ci95']:.2f}"
@@ -328,28 +388,38 @@ def summarize(c: AccuracyConfig, runs: List[dict]) -> dict:
     final = {(r["seed"], r["mode"]): r["final_heldout"] for r in runs if r["release"]}
     seeds = sorted({s for s, _ in final})
     modes = [m for m in [BASELINE] + list(c.modes) if all((s, m) in final for s in seeds)]
-    gaps = {m: [100.0 * (final[(s, m)] - final[(s, BASELINE)]) / final[(s, BASELINE)]
-                for s in seeds] for m in modes if m != BASELINE}
-    out = {"final_heldout": {m: spread([final[(s, m)] for s in seeds]) for m in modes},
-           "gap_percent": {m: spread(v) for m, v in gaps.items()},
-           "floor_minus_rceil_points": {}, "block32x32_minus_1x32_points": {}}
+    gaps = {
+        m: [100.0 * (final[(s, m)] - final[(s, BASELINE)]) / final[(s, BASELINE)] for s in seeds]
+        for m in modes
+        if m != BASELINE
+    }
+    out = {
+        "final_heldout": {m: spread([final[(s, m)] for s in seeds]) for m in modes},
+        "gap_percent": {m: spread(v) for m, v in gaps.items()},
+        "floor_minus_rceil_points": {},
+        "block32x32_minus_1x32_points": {},
+    }
     for r in RECIPES:
         f, rc = f"{r}/floor", f"{r}/rceil"
         if f in gaps and rc in gaps:
-            out["floor_minus_rceil_points"][r] = spread(
-                [a - b for a, b in zip(gaps[f], gaps[rc])])
+            out["floor_minus_rceil_points"][r] = spread([a - b for a, b in zip(gaps[f], gaps[rc])])
     for s in SCALE_MODES:
         a, b = f"mxfp8-32x32/{s}", f"mxfp8/{s}"
         if a in gaps and b in gaps:
             out["block32x32_minus_1x32_points"][s] = spread(
-                [x - y for x, y in zip(gaps[a], gaps[b])])
+                [x - y for x, y in zip(gaps[a], gaps[b])]
+            )
     out["sentences"] = (
-        [verdict(out["gap_percent"][m], f"{m} held-out loss vs {c.baseline.upper()}")
-         for m in gaps]
-        + [verdict(v, f"{r}: floor minus rceil gap", " points")
-           for r, v in out["floor_minus_rceil_points"].items()]
-        + [verdict(v, f"{s}: mxfp8-32x32 minus mxfp8 gap", " points")
-           for s, v in out["block32x32_minus_1x32_points"].items()])
+        [verdict(out["gap_percent"][m], f"{m} held-out loss vs {c.baseline.upper()}") for m in gaps]
+        + [
+            verdict(v, f"{r}: floor minus rceil gap", " points")
+            for r, v in out["floor_minus_rceil_points"].items()
+        ]
+        + [
+            verdict(v, f"{s}: mxfp8-32x32 minus mxfp8 gap", " points")
+            for s, v in out["block32x32_minus_1x32_points"].items()
+        ]
+    )
     # Telemetry at each checkpoint, pooled over layers, averaged over seeds.
     tel: Dict[str, Dict[str, Dict[str, dict]]] = {}
     for r in runs:
@@ -357,23 +427,39 @@ def summarize(c: AccuracyConfig, runs: List[dict]) -> dict:
             continue
         for snap in r["telemetry"]:
             for x in snap["summary"]:
-                cell = tel.setdefault(r["mode"], {}).setdefault(str(snap["step"]), {}).setdefault(
-                    x["tensor"], {"sqnr_db": [], "saturated": [], "flushed": [],
-                                  "min_sqnr_db": []})
+                cell = (
+                    tel.setdefault(r["mode"], {})
+                    .setdefault(str(snap["step"]), {})
+                    .setdefault(
+                        x["tensor"],
+                        {"sqnr_db": [], "saturated": [], "flushed": [], "min_sqnr_db": []},
+                    )
+                )
                 for k in cell:
                     cell[k].append(x[k])
-    out["telemetry"] = {m: {step: {t: {k: sum(v) / len(v) for k, v in cell.items()}
-                                   for t, cell in tensors.items()}
-                            for step, tensors in steps.items()}
-                        for m, steps in tel.items()}
+    out["telemetry"] = {
+        m: {
+            step: {t: {k: sum(v) / len(v) for k, v in cell.items()} for t, cell in tensors.items()}
+            for step, tensors in steps.items()
+        }
+        for m, steps in tel.items()
+    }
     offs = [r for r in runs if not r["release"]]
     checks = []
     for off in offs:
-        on = next(r for r in runs if r["release"] and r["seed"] == off["seed"]
-                  and r["mode"] == off["mode"])
-        checks.append({"seed": off["seed"], "mode": off["mode"],
-                       "train_loss_bitwise_equal": on["train_loss"] == off["train_loss"],
-                       "heldout_bitwise_equal": on["heldout"] == off["heldout"]})
+        on = next(
+            r
+            for r in runs
+            if r["release"] and r["seed"] == off["seed"] and r["mode"] == off["mode"]
+        )
+        checks.append(
+            {
+                "seed": off["seed"],
+                "mode": off["mode"],
+                "train_loss_bitwise_equal": on["train_loss"] == off["train_loss"],
+                "heldout_bitwise_equal": on["heldout"] == off["heldout"],
+            }
+        )
     out["release_off"] = checks
     return out
 
@@ -389,18 +475,30 @@ def machine() -> dict:
     except OSError:
         pass
     b = zrw.backends()["cpu"]
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "isa": b.get("isa"), "native_bf16": b.get("native_bf16"), "gemm": b.get("gemm"),
-            "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "isa": b.get("isa"),
+        "native_bf16": b.get("native_bf16"),
+        "gemm": b.get("gemm"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 # ---- report ----------------------------------------------------------------------------------
 
+
 def _print_rows(rows: List[List[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for k, row in enumerate(rows):
-        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            )
+        )
         if k == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
@@ -408,13 +506,17 @@ def _print_rows(rows: List[List[str]]) -> None:
 def print_report(r: dict) -> None:
     c, s = r["config"], r["summary"]
     tokens = c["steps"] * c["batch"] * c["seq"]
-    print(f"zrw {r['zrw']}: held-out loss of a Qwen3 ({r['parameters'] / 1e6:.2f} M parameters, "
-          f"{c['layers']} layers x {c['hidden']}) trained on {r['corpus']['train_files']} "
-          f"stdlib files, {r['corpus']['heldout_files']} held out; {c['steps']} steps x "
-          f"{c['batch']} x {c['seq']} tokens = {tokens} tokens per run; seeds {c['seeds']}; "
-          f"baseline {c['baseline'].upper()}")
-    print(f"  machine: {r['machine']['cpu']}, {r['machine']['isa']}, "
-          f"{r['machine']['torch_threads']} torch thread(s)")
+    print(
+        f"zrw {r['zrw']}: held-out loss of a Qwen3 ({r['parameters'] / 1e6:.2f} M parameters, "
+        f"{c['layers']} layers x {c['hidden']}) trained on {r['corpus']['train_files']} "
+        f"stdlib files, {r['corpus']['heldout_files']} held out; {c['steps']} steps x "
+        f"{c['batch']} x {c['seq']} tokens = {tokens} tokens per run; seeds {c['seeds']}; "
+        f"baseline {c['baseline'].upper()}"
+    )
+    print(
+        f"  machine: {r['machine']['cpu']}, {r['machine']['isa']}, "
+        f"{r['machine']['torch_threads']} torch thread(s)"
+    )
     per_step: Dict[str, List[float]] = {}
     for run in r["runs"]:
         per_step.setdefault(run["mode"], []).append(run["seconds_per_step"])
@@ -422,8 +524,11 @@ def print_report(r: dict) -> None:
     for m, v in s["final_heldout"].items():
         g = s["gap_percent"].get(m)
         cells = [m, f"{v['mean']:.4f}", f"{v['std']:.4f}"]
-        cells += (["-", "", "", ""] if g is None else
-                  [f"{g['mean']:+.2f}", f"{g['std']:.2f}", f"{g['min']:+.2f}", f"{g['max']:+.2f}"])
+        cells += (
+            ["-", "", "", ""]
+            if g is None
+            else [f"{g['mean']:+.2f}", f"{g['std']:.2f}", f"{g['min']:+.2f}", f"{g['max']:+.2f}"]
+        )
         cells.append(f"{sum(per_step[m]) / len(per_step[m]):.2f}")
         rows.append(cells)
     _print_rows(rows)
@@ -431,16 +536,29 @@ def print_report(r: dict) -> None:
         print("  " + sentence)
     for chk in s["release_off"]:
         same = chk["train_loss_bitwise_equal"] and chk["heldout_bitwise_equal"]
-        print(f"  release on vs off ({chk['mode']}, seed {chk['seed']}): "
-              f"{'identical, bit for bit' if same else 'DIFFERENT'}")
-    print(f"  telemetry, pooled over layers, mean over seeds {c['seeds']}: SQNR dB, saturated and "
-          "flushed-to-zero fractions")
+        print(
+            f"  release on vs off ({chk['mode']}, seed {chk['seed']}): "
+            f"{'identical, bit for bit' if same else 'DIFFERENT'}"
+        )
+    print(
+        f"  telemetry, pooled over layers, mean over seeds {c['seeds']}: SQNR dB, saturated and "
+        "flushed-to-zero fractions"
+    )
     rows = [["mode", "step", "tensor", "SQNR dB", "worst layer dB", "saturated", "flushed"]]
     for m, steps in s.get("telemetry", {}).items():
         for step, tensors in steps.items():
             for t, v in tensors.items():
-                rows.append([m, step, t, f"{v['sqnr_db']:.2f}", f"{v['min_sqnr_db']:.2f}",
-                             f"{v['saturated']:.2e}", f"{v['flushed']:.2e}"])
+                rows.append(
+                    [
+                        m,
+                        step,
+                        t,
+                        f"{v['sqnr_db']:.2f}",
+                        f"{v['min_sqnr_db']:.2f}",
+                        f"{v['saturated']:.2e}",
+                        f"{v['flushed']:.2e}",
+                    ]
+                )
     _print_rows(rows)
 
 
@@ -454,8 +572,13 @@ def plot(r: dict, path: str) -> None:
 
     c = r["config"]
     tokens_per_step = c["batch"] * c["seq"]
-    colors = {BASELINE: "black", "mxfp8/floor": "tab:blue", "mxfp8/rceil": "tab:cyan",
-              "mxfp8-32x32/floor": "tab:red", "mxfp8-32x32/rceil": "tab:orange"}
+    colors = {
+        BASELINE: "black",
+        "mxfp8/floor": "tab:blue",
+        "mxfp8/rceil": "tab:cyan",
+        "mxfp8-32x32/floor": "tab:red",
+        "mxfp8-32x32/rceil": "tab:orange",
+    }
     runs = [x for x in r["runs"] if x["release"]]
     modes = list(r["summary"]["final_heldout"])
     seeds = sorted({x["seed"] for x in runs})
@@ -478,11 +601,23 @@ def plot(r: dict, path: str) -> None:
     for m in modes:
         mr = [by[(s, m)] for s in seeds]
         train = mean([smooth(x["train_loss"]) for x in mr])
-        ax_train.plot([(i + 1) * tokens_per_step for i in range(len(train))], train,
-                      color=colors.get(m), label=m, linewidth=1.1)
+        ax_train.plot(
+            [(i + 1) * tokens_per_step for i in range(len(train))],
+            train,
+            color=colors.get(m),
+            label=m,
+            linewidth=1.1,
+        )
         ev_x = [step * tokens_per_step for step, _ in mr[0]["heldout"]]
-        ax_held.plot(ev_x, mean([[loss for _, loss in x["heldout"]] for x in mr]), marker="o",
-                     markersize=3, color=colors.get(m), label=m, linewidth=1.1)
+        ax_held.plot(
+            ev_x,
+            mean([[loss for _, loss in x["heldout"]] for x in mr]),
+            marker="o",
+            markersize=3,
+            color=colors.get(m),
+            label=m,
+            linewidth=1.1,
+        )
         if m == BASELINE:
             continue
         gaps = []
@@ -491,14 +626,19 @@ def plot(r: dict, path: str) -> None:
             gap = [100 * (loss / b - 1) for (_, loss), b in zip(by[(s, m)]["heldout"], base)]
             gaps.append(gap)
             ax_gap.plot(ev_x, gap, color=colors.get(m), linewidth=0.6, alpha=0.35)
-        ax_gap.plot(ev_x, mean(gaps), color=colors.get(m), marker="o", markersize=3,
-                    linewidth=1.6, label=m)
+        ax_gap.plot(
+            ev_x, mean(gaps), color=colors.get(m), marker="o", markersize=3, linewidth=1.6, label=m
+        )
     ax_train.set_title(f"train loss (mean over seeds {seeds}, moving average of {window} steps)")
-    ax_held.set_title(f"held-out loss ({r['corpus']['heldout_tokens']} tokens from "
-                      f"{r['corpus'].get('heldout_files_sampled', '?')} unseen files; mean "
-                      "over seeds)")
-    ax_gap.set_title(f"held-out loss vs {c['baseline'].upper()} along training (%): "
-                     "mean (thick), each seed (thin)")
+    ax_held.set_title(
+        f"held-out loss ({r['corpus']['heldout_tokens']} tokens from "
+        f"{r['corpus'].get('heldout_files_sampled', '?')} unseen files; mean "
+        "over seeds)"
+    )
+    ax_gap.set_title(
+        f"held-out loss vs {c['baseline'].upper()} along training (%): "
+        "mean (thick), each seed (thin)"
+    )
     ax_gap.axhline(0, color="black", linewidth=0.8)
     for ax in (ax_train, ax_held, ax_gap):
         ax.set_xlabel("tokens seen")
@@ -509,9 +649,14 @@ def plot(r: dict, path: str) -> None:
     gaps = r["summary"]["gap_percent"]
     for i, (m, g) in enumerate(gaps.items()):
         ax_final.scatter([i] * len(g["values"]), g["values"], color=colors.get(m), zorder=3)
-        ax_final.errorbar([i + 0.15], [g["mean"]],
-                          yerr=[[g["mean"] - g["min"]], [g["max"] - g["mean"]]], fmt="D",
-                          color=colors.get(m), capsize=4)
+        ax_final.errorbar(
+            [i + 0.15],
+            [g["mean"]],
+            yerr=[[g["mean"] - g["min"]], [g["max"] - g["mean"]]],
+            fmt="D",
+            color=colors.get(m),
+            capsize=4,
+        )
     ax_final.axhline(0, color="black", linewidth=0.8)
     ax_final.set_xticks(range(len(gaps)))
     ax_final.set_xticklabels(list(gaps), rotation=15, fontsize=8)
@@ -524,23 +669,33 @@ def plot(r: dict, path: str) -> None:
 
 # ---- driver ----------------------------------------------------------------------------------
 
+
 def run(c: AccuracyConfig, progress=None) -> dict:
     for m in c.modes:
         if m not in MX_MODES:
             raise ValueError(f"zrw.bench.accuracy: modes must be among {MX_MODES}, got {m!r}")
     if c.release_off is not None and c.release_off not in c.modes:
-        raise ValueError(f"zrw.bench.accuracy: release_off must be one of the modes run "
-                         f"{c.modes} or None, got {c.release_off!r}")
+        raise ValueError(
+            f"zrw.bench.accuracy: release_off must be one of the modes run "
+            f"{c.modes} or None, got {c.release_off!r}"
+        )
     if c.baseline not in ("bf16", "fp32"):
-        raise ValueError(f"zrw.bench.accuracy: baseline must be 'bf16' or 'fp32', got "
-                         f"{c.baseline!r}")
+        raise ValueError(
+            f"zrw.bench.accuracy: baseline must be 'bf16' or 'fp32', got {c.baseline!r}"
+        )
     torch.set_num_threads(c.threads)
     corpus = build_corpus(c)
-    parameters = sum(p.numel() for p in build_model(c, corpus.info["vocab"], 0,
-                                                    torch.bfloat16).parameters())
+    parameters = sum(
+        p.numel() for p in build_model(c, corpus.info["vocab"], 0, torch.bfloat16).parameters()
+    )
     runs = []
-    head = {"zrw": zrw.__version__, "config": dataclasses.asdict(c), "machine": machine(),
-            "corpus": corpus.info, "parameters": parameters}
+    head = {
+        "zrw": zrw.__version__,
+        "config": dataclasses.asdict(c),
+        "machine": machine(),
+        "corpus": corpus.info,
+        "parameters": parameters,
+    }
     os.makedirs(c.out, exist_ok=True)
     partial = os.path.join(c.out, "accuracy.partial.json")
     for seed in c.seeds:
@@ -568,8 +723,10 @@ def merge_results(paths: List[str]) -> dict:
         mine = {k: v for k, v in r["config"].items() if k not in ("seeds", "out")}
         theirs = {k: v for k, v in merged["config"].items() if k not in ("seeds", "out")}
         if mine != theirs or r["corpus"]["train_tokens"] != merged["corpus"]["train_tokens"]:
-            raise ValueError(f"zrw.bench.accuracy: {path} was run with other settings than "
-                             f"{paths[0]}; only runs that differ in their seeds merge")
+            raise ValueError(
+                f"zrw.bench.accuracy: {path} was run with other settings than "
+                f"{paths[0]}; only runs that differ in their seeds merge"
+            )
         seen = set(merged["config"]["seeds"])
         if seen & set(r["config"]["seeds"]):
             raise ValueError(f"zrw.bench.accuracy: {path} repeats seeds of the files before it")
@@ -585,23 +742,38 @@ def _int_list(text: str) -> List[int]:
 def main(argv=None) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers' trainer: one thread
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    p = argparse.ArgumentParser(prog="python -m zrw.bench accuracy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--setting", choices=sorted(SETTINGS), default="default")
     for f in dataclasses.fields(AccuracyConfig):
         if f.name in ("seeds", "telemetry_at", "modes", "release_off"):
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), default=None,
-                       help=f"default {getattr(AccuracyConfig(), f.name)!r} (or the setting's)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            default=None,
+            help=f"default {getattr(AccuracyConfig(), f.name)!r} (or the setting's)",
+        )
     p.add_argument("--seeds", type=_int_list, default=None, help="e.g. 0,1,2")
-    p.add_argument("--telemetry-at", type=_int_list, default=None,
-                   help="steps to collect telemetry at (default: first, middle, last)")
+    p.add_argument(
+        "--telemetry-at",
+        type=_int_list,
+        default=None,
+        help="steps to collect telemetry at (default: first, middle, last)",
+    )
     p.add_argument("--modes", default=None, help=f"comma-separated, among {','.join(MX_MODES)}")
-    p.add_argument("--release-off", default=None,
-                   help="an MXFP8 mode to train with release off too, or 'none'")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="re-read accuracy.json files (comma-separated: runs of other seeds "
-                        "with the same settings are merged): summarize, plot and print again")
+    p.add_argument(
+        "--release-off", default=None, help="an MXFP8 mode to train with release off too, or 'none'"
+    )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="re-read accuracy.json files (comma-separated: runs of other seeds "
+        "with the same settings are merged): summarize, plot and print again",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)

@@ -20,6 +20,7 @@ per step) with each kind of boundary and reports its restore as a fraction of th
   - "dequant": AdamW attached with fill="dequant"; the restore is the boundary's pre-hook
     (the optimizer's own weights, filled from their FP8 copies).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ def time_op(shape, recipe, repeat):
     cache.quant_and_release(w, recipe)  # the miss; every call below is a hit
     assert cache.is_released(w)
     n_hit = 100
-    t_hit = best_of(lambda: [cache.quant_and_release(w, recipe) for _ in range(n_hit)],
-                    repeat) / n_hit
+    t_hit = (
+        best_of(lambda: [cache.quant_and_release(w, recipe) for _ in range(n_hit)], repeat) / n_hit
+    )
     cache.cache_invalidate(w)
     return {
         "bare_ms": t_bare * 1e3,
@@ -94,8 +96,9 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
     marks = {}
 
     if boundary in ("master", "bf16-free"):
-        opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3,
-                                   keep_released=boundary == "bf16-free"))
+        opt = attach(
+            MasterWeights(torch.optim.AdamW, ws, lr=1e-3, keep_released=boundary == "bf16-free")
+        )
         # The write-back is the restore.
         opt._write_back = recording(opt._write_back, lambda t: marks.__setitem__("restore", t))
     else:
@@ -103,7 +106,8 @@ def time_step(recipe, dim, layers, tokens, micro, steps, boundary="master"):
         opt.register_step_pre_hook(lambda o, a, k: marks.__setitem__("pre", time.perf_counter()))
         attach(opt, fill=boundary)  # its pre-hook (the restore) runs between the two marks
         opt.register_step_pre_hook(
-            lambda o, a, k: marks.__setitem__("restore", time.perf_counter() - marks["pre"]))
+            lambda o, a, k: marks.__setitem__("restore", time.perf_counter() - marks["pre"])
+        )
     xs = [torch.randn(tokens, dim, dtype=BF16) for _ in range(micro)]
     best_step = best_restore = float("inf")
     released = 0
@@ -147,8 +151,12 @@ def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
     itself (they are taken right after each write, cache.write_back): the best of
     interleaved write-backs with and without digests, the difference."""
     g = torch.Generator().manual_seed(0)
-    sets = {mode: [torch.nn.Parameter(torch.randn(dim, dim, generator=g).to(BF16))
-                   for _ in range(params)] for mode in ("digest", "bit comparison")}
+    sets = {
+        mode: [
+            torch.nn.Parameter(torch.randn(dim, dim, generator=g).to(BF16)) for _ in range(params)
+        ]
+        for mode in ("digest", "bit comparison")
+    }
     grads = [torch.full((dim, dim), 1e-3, dtype=BF16) for _ in range(params)]
     opts = {mode: MasterWeights(torch.optim.AdamW, ps, lr=1e-3) for mode, ps in sets.items()}
     spent = {"check": 0.0}
@@ -163,6 +171,7 @@ def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
                 return fn(self, *args)
             finally:
                 spent["check"] += time.perf_counter() - t0
+
         return run_it
 
     def write_back(weights, sources, keep_released):
@@ -192,19 +201,38 @@ def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
         cache.weight_digest, cache.write_back = real_digest, real_write_back
     ps = sets["digest"]
     ms = [m for group in opts["digest"].masters for m in group]
-    plain = best_of_interleaved({
-        "digests": lambda: real_write_back(ps, ms, True),
-        "plain": lambda: torch.ops.zrw.assign_weights(ps, ms, True)}, max(steps, 15))
+    plain = best_of_interleaved(
+        {
+            "digests": lambda: real_write_back(ps, ms, True),
+            "plain": lambda: torch.ops.zrw.assign_weights(ps, ms, True),
+        },
+        max(steps, 15),
+    )
     fused = max(0.0, plain["digests"] - plain["plain"])
     t, c = best["digest"]
     best["digest"] = (t, c + fused)
-    return {"params": params, "dim": dim, "write_back_digest_ms": fused * 1e3,
-            "modes": {m: {"step_ms": t * 1e3, "check_ms": c * 1e3, "fraction": c / t}
-                      for m, (t, c) in best.items()}}
+    return {
+        "params": params,
+        "dim": dim,
+        "write_back_digest_ms": fused * 1e3,
+        "modes": {
+            m: {"step_ms": t * 1e3, "check_ms": c * 1e3, "fraction": c / t}
+            for m, (t, c) in best.items()
+        },
+    }
 
 
-def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens=32,
-        micro=4, steps=3, check_params=16, check_dim=1024) -> dict:
+def run(
+    sizes=((2048, 2048), (4096, 4096)),
+    repeat=5,
+    dim=1024,
+    layers=4,
+    tokens=32,
+    micro=4,
+    steps=3,
+    check_params=16,
+    check_dim=1024,
+) -> dict:
     cache.cache_clear()
     out = {
         "threads": torch.get_num_threads(),
@@ -212,72 +240,146 @@ def run(sizes=((2048, 2048), (4096, 4096)), repeat=5, dim=1024, layers=4, tokens
         "shapes": [list(s) for s in sizes],
         "op": {},
         "step": {},
-        "mlp": {"dim": dim, "layers": layers, "tokens": tokens, "microbatches": micro,
-                "optimizer": "AdamW (in MasterWeights for the bf16-free and master boundaries)"},
+        "mlp": {
+            "dim": dim,
+            "layers": layers,
+            "tokens": tokens,
+            "microbatches": micro,
+            "optimizer": "AdamW (in MasterWeights for the bf16-free and master boundaries)",
+        },
     }
     for recipe in cache.RECIPES:
         out["op"][recipe] = {f"{n}x{k}": time_op((n, k), recipe, repeat) for n, k in sizes}
-        out["step"][recipe] = {b: time_step(recipe, dim, layers, tokens, micro, steps, b)
-                               for b in BOUNDARIES}
+        out["step"][recipe] = {
+            b: time_step(recipe, dim, layers, tokens, micro, steps, b) for b in BOUNDARIES
+        }
     out["write_check"] = run_write_check(check_params, check_dim)
     return out
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench cache", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="2048x2048,4096x4096",
-                   help="comma-separated NxK weight shapes for the op timings")
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--sizes",
+        default="2048x2048,4096x4096",
+        help="comma-separated NxK weight shapes for the op timings",
+    )
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dim", type=int, default=1024, help="MLP width (dim x dim weights)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32, help="tokens per microbatch")
     p.add_argument("--micro", type=int, default=4, help="microbatches per step")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    p.add_argument("--check-params", type=int, default=16,
-                   help="parameters of the write check's optimizer step")
-    p.add_argument("--check-dim", type=int, default=1024,
-                   help="each is check-dim x check-dim bf16")
+    p.add_argument(
+        "--check-params",
+        type=int,
+        default=16,
+        help="parameters of the write check's optimizer step",
+    )
+    p.add_argument("--check-dim", type=int, default=1024, help="each is check-dim x check-dim bf16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
-    r = run(sizes, args.repeat, args.dim, args.layers, args.tokens, args.micro, args.steps,
-            args.check_params, args.check_dim)
+    r = run(
+        sizes,
+        args.repeat,
+        args.dim,
+        args.layers,
+        args.tokens,
+        args.micro,
+        args.steps,
+        args.check_params,
+        args.check_dim,
+    )
     if args.json:
         print(json.dumps(r))
         return
-    print(f"zrw {zrw.__version__}: the fused quant_and_release op, {r['threads']} threads, "
-          f"kernel ISA {r['cpu_isa']}")
+    print(
+        f"zrw {zrw.__version__}: the fused quant_and_release op, {r['threads']} threads, "
+        f"kernel ISA {r['cpu_isa']}"
+    )
     rows = []
     for recipe, by_shape in r["op"].items():
         bare = "mx_quantize_dual" if recipe == "mxfp8" else "mx_quantize_block"
         for shape, m in by_shape.items():
-            rows.append([recipe, shape, bare, m["bare_ms"], m["miss_ms"], m["miss_over_bare"],
-                         m["miss_no_release_ms"], m["miss_no_release_over_bare"], m["hit_us"],
-                         f"{m['hit_over_bare']:.2e}"])
-    print_table("", ["recipe", "weight", "bare op", "bare ms", "miss ms", "miss/bare",
-                     "miss keep ms", "keep/bare", "hit us", "hit/bare"], rows)
+            rows.append(
+                [
+                    recipe,
+                    shape,
+                    bare,
+                    m["bare_ms"],
+                    m["miss_ms"],
+                    m["miss_over_bare"],
+                    m["miss_no_release_ms"],
+                    m["miss_no_release_over_bare"],
+                    m["hit_us"],
+                    f"{m['hit_over_bare']:.2e}",
+                ]
+            )
+    print_table(
+        "",
+        [
+            "recipe",
+            "weight",
+            "bare op",
+            "bare ms",
+            "miss ms",
+            "miss/bare",
+            "miss keep ms",
+            "keep/bare",
+            "hit us",
+            "hit/bare",
+        ],
+        rows,
+    )
     print("  (miss: quantize + insert + release; miss keep: release=False; hit: cached planes)")
     mlp = r["mlp"]
-    print(f"\nrestore at the optimizer boundary vs a whole "
-          f"training step: MLP of {mlp['layers']} x {mlp['dim']}x{mlp['dim']} weights, "
-          f"{mlp['microbatches']} microbatches x {mlp['tokens']} tokens, {mlp['optimizer']}")
-    rows = [[recipe, fill, s["step_ms"], s["restore_ms"], f"{100 * s['restore_fraction']:.3g}%",
-             s["released_bytes"]]
-            for recipe, by_fill in r["step"].items() for fill, s in by_fill.items()]
-    print_table("", ["recipe", "boundary", "step ms", "restore ms", "of step",
-                     "released bytes"], rows)
+    print(
+        f"\nrestore at the optimizer boundary vs a whole "
+        f"training step: MLP of {mlp['layers']} x {mlp['dim']}x{mlp['dim']} weights, "
+        f"{mlp['microbatches']} microbatches x {mlp['tokens']} tokens, {mlp['optimizer']}"
+    )
+    rows = [
+        [
+            recipe,
+            fill,
+            s["step_ms"],
+            s["restore_ms"],
+            f"{100 * s['restore_fraction']:.3g}%",
+            s["released_bytes"],
+        ]
+        for recipe, by_fill in r["step"].items()
+        for fill, s in by_fill.items()
+    ]
+    print_table(
+        "", ["recipe", "boundary", "step ms", "restore ms", "of step", "released bytes"], rows
+    )
     wc = r["write_check"]
-    print(f"\nMasterWeights' check for writes that bypass it, {wc['params']} unreleased bf16 "
-          f"parameters of {wc['dim']}x{wc['dim']}, MasterWeights(AdamW) step (issue 28's "
-          "target: at most 5% of the step)")
-    print_table("", ["check", "step ms", "check ms", "of step"],
-                [[m, v["step_ms"], v["check_ms"], f"{100 * v['fraction']:.3g}%"]
-                 for m, v in wc["modes"].items()])
-    print("  (digest: a 64-bit digest of each parameter taken as the write-back writes it "
-          f"({wc['write_back_digest_ms']:.3g} ms of the check), compared before the next step; "
-          "bit comparison: every parameter against its master, as before)")
-    print("  (bf16-free: MasterWeights' write-back keeps the weights released, the next miss "
-          "quantizes from the FP32 master; master: MasterWeights(keep_released=False) writes "
-          "bf16 of every FP32 master into fresh bytes; dequant: AdamW's own weights filled from "
-          "their FP8 copies in the pre-hook)")
+    print(
+        f"\nMasterWeights' check for writes that bypass it, {wc['params']} unreleased bf16 "
+        f"parameters of {wc['dim']}x{wc['dim']}, MasterWeights(AdamW) step (issue 28's "
+        "target: at most 5% of the step)"
+    )
+    print_table(
+        "",
+        ["check", "step ms", "check ms", "of step"],
+        [
+            [m, v["step_ms"], v["check_ms"], f"{100 * v['fraction']:.3g}%"]
+            for m, v in wc["modes"].items()
+        ],
+    )
+    print(
+        "  (digest: a 64-bit digest of each parameter taken as the write-back writes it "
+        f"({wc['write_back_digest_ms']:.3g} ms of the check), compared before the next step; "
+        "bit comparison: every parameter against its master, as before)"
+    )
+    print(
+        "  (bf16-free: MasterWeights' write-back keeps the weights released, the next miss "
+        "quantizes from the FP32 master; master: MasterWeights(keep_released=False) writes "
+        "bf16 of every FP32 master into fresh bytes; dequant: AdamW's own weights filled from "
+        "their FP8 copies in the pre-hook)"
+    )

@@ -20,6 +20,7 @@ waited on inside the timing) and the whole step's time, as ratios to bf16 and to
 MXFP8 scheme. Times are the best step after the first (which sizes FSDP2's buffers)
 and the slower rank's. `--dim 5120 --layers 2` runs Qwen3-32B's hidden size (the seed's model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ from zrw.bench._timing import print_table
 
 RECIPES = ("bf16", "mxfp8-both-planes", "mxfp8", "mxfp8-32x32")
 ORIGINAL = "mxfp8-both-planes"  # the RFC's "original MXFP8 scheme"
-RFC_TARGET = (0.20, 0.30)        # the RFC's goal: 20-30% less all-gather time than ORIGINAL
+RFC_TARGET = (0.20, 0.30)  # the RFC's goal: 20-30% less all-gather time than ORIGINAL
 
 
 def _free_port() -> int:
@@ -125,9 +126,11 @@ def _train(recipe: str, cfg: dict, mesh) -> dict:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's
             steps.append((counts["bytes"] - b0, float(t[0]), float(t[1])))
     timed = steps[1:] or steps
-    return {"gather_bytes_per_step": steps[-1][0],
-            "gather_ms_per_step": min(s[2] for s in timed) * 1e3,
-            "step_ms": min(s[1] for s in timed) * 1e3}
+    return {
+        "gather_bytes_per_step": steps[-1][0],
+        "gather_ms_per_step": min(s[2] for s in timed) * 1e3,
+        "step_ms": min(s[1] for s in timed) * 1e3,
+    }
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
@@ -152,14 +155,27 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         dist.destroy_process_group()
 
 
-def run(dim: int = 1024, layers: int = 4, tokens: int = 64, micro_batches: int = 2,
-        steps: int = 3, world: int = 2, threads: int = 1) -> dict:
+def run(
+    dim: int = 1024,
+    layers: int = 4,
+    tokens: int = 64,
+    micro_batches: int = 2,
+    steps: int = 3,
+    world: int = 2,
+    threads: int = 1,
+) -> dict:
     import torch.multiprocessing as mp
 
     if tokens % 32:
         raise ValueError(f"tokens per rank must be a multiple of 32, got {tokens}")
-    cfg = {"dim": dim, "layers": layers, "tokens": tokens, "micro_batches": micro_batches,
-           "steps": steps, "threads": threads}
+    cfg = {
+        "dim": dim,
+        "layers": layers,
+        "tokens": tokens,
+        "micro_batches": micro_batches,
+        "steps": steps,
+        "threads": threads,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(world, _free_port(), cfg, out), nprocs=world, join=True)
@@ -167,27 +183,41 @@ def run(dim: int = 1024, layers: int = 4, tokens: int = 64, micro_batches: int =
             res = json.load(f)
     base, orig = res["bf16"], res[ORIGINAL]
     return {
-        "world": world, "backend": "gloo", "shape": [dim, dim], "layers": layers,
-        "tokens_per_rank": tokens, "micro_batches": micro_batches, "steps": steps,
+        "world": world,
+        "backend": "gloo",
+        "shape": [dim, dim],
+        "layers": layers,
+        "tokens_per_rank": tokens,
+        "micro_batches": micro_batches,
+        "steps": steps,
         "threads_per_rank": threads,
         "recipes": res,
-        "ratio_to_bf16": {r: {"gather_bytes": v["gather_bytes_per_step"]
-                              / base["gather_bytes_per_step"],
-                              "gather_time": v["gather_ms_per_step"] / base["gather_ms_per_step"],
-                              "step_time": v["step_ms"] / base["step_ms"]}
-                          for r, v in res.items()},
+        "ratio_to_bf16": {
+            r: {
+                "gather_bytes": v["gather_bytes_per_step"] / base["gather_bytes_per_step"],
+                "gather_time": v["gather_ms_per_step"] / base["gather_ms_per_step"],
+                "step_time": v["step_ms"] / base["step_ms"],
+            }
+            for r, v in res.items()
+        },
         "ratio_to_original_mxfp8": {
-            r: {"gather_bytes": v["gather_bytes_per_step"] / orig["gather_bytes_per_step"],
+            r: {
+                "gather_bytes": v["gather_bytes_per_step"] / orig["gather_bytes_per_step"],
                 "gather_time": v["gather_ms_per_step"] / orig["gather_ms_per_step"],
-                "step_time": v["step_ms"] / orig["step_ms"]}
-            for r, v in res.items()},
+                "step_time": v["step_ms"] / orig["step_ms"],
+            }
+            for r, v in res.items()
+        },
         "rfc_target_gather_time_reduction": list(RFC_TARGET),
     }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench fsdp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench fsdp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dim", type=int, default=1024, help="every layer is dim x dim")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank per micro-batch")
@@ -200,20 +230,48 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(r))
         return
-    print(f"zrw {zrw.__version__}: FSDP2 all-gather on {r['world']} ranks ({r['backend']}, CPU), "
-          f"{r['layers']} x MXLinear {args.dim}x{args.dim}, {r['micro_batches']} micro-batches "
-          f"of {r['tokens_per_rank']} tokens per rank, {r['steps']} steps")
+    print(
+        f"zrw {zrw.__version__}: FSDP2 all-gather on {r['world']} ranks ({r['backend']}, CPU), "
+        f"{r['layers']} x MXLinear {args.dim}x{args.dim}, {r['micro_batches']} micro-batches "
+        f"of {r['tokens_per_rank']} tokens per rank, {r['steps']} steps"
+    )
     rows = []
     for name in RECIPES:
         v, q, o = r["recipes"][name], r["ratio_to_bf16"][name], r["ratio_to_original_mxfp8"][name]
         less = 1 - o["gather_time"]
-        rows.append([name, v["gather_bytes_per_step"] / 2 ** 20, q["gather_bytes"],
-                     v["gather_ms_per_step"], q["gather_time"], o["gather_time"],
-                     "-" if name in ("bf16", ORIGINAL) else f"{100 * less:.0f}% "
-                     f"({'met' if less >= RFC_TARGET[0] else 'not met'})",
-                     v["step_ms"], q["step_time"], o["step_time"]])
-    print_table("", ["scheme", "gathered MiB/step", "x bf16", "gather ms/step", "x bf16",
-                     "x original", "less gather time (RFC: 20-30%)", "step ms", "x bf16",
-                     "x original"], rows)
-    print(f"  original = {ORIGINAL}: the RFC's original MXFP8 scheme, both planes in every "
-          "gather; times are the best step after the first, the slower rank's")
+        rows.append(
+            [
+                name,
+                v["gather_bytes_per_step"] / 2**20,
+                q["gather_bytes"],
+                v["gather_ms_per_step"],
+                q["gather_time"],
+                o["gather_time"],
+                "-"
+                if name in ("bf16", ORIGINAL)
+                else f"{100 * less:.0f}% ({'met' if less >= RFC_TARGET[0] else 'not met'})",
+                v["step_ms"],
+                q["step_time"],
+                o["step_time"],
+            ]
+        )
+    print_table(
+        "",
+        [
+            "scheme",
+            "gathered MiB/step",
+            "x bf16",
+            "gather ms/step",
+            "x bf16",
+            "x original",
+            "less gather time (RFC: 20-30%)",
+            "step ms",
+            "x bf16",
+            "x original",
+        ],
+        rows,
+    )
+    print(
+        f"  original = {ORIGINAL}: the RFC's original MXFP8 scheme, both planes in every "
+        "gather; times are the best step after the first, the slower rank's"
+    )

@@ -34,6 +34,7 @@ not what hardware MX would give. mx_matmul's inner GEMM is reported (zrw.backend
 of --repeat runs (noise is upward); a call of seconds (BF16 GEMMs on a CPU without native
 BF16) is timed once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ RECIPES = ("mxfp8", "mxfp8-32x32")
 def _param(*shape, seed):
     g = torch.Generator().manual_seed(seed)
     # built in place so the Parameter alone owns its storage (the release guard's "aliased")
-    return torch.nn.Parameter(torch.randn(*shape, generator=g).mul_(shape[-1] ** -0.5)
-                              .to(torch.bfloat16))
+    return torch.nn.Parameter(
+        torch.randn(*shape, generator=g).mul_(shape[-1] ** -0.5).to(torch.bfloat16)
+    )
 
 
 def _step(layer, x, dy):
@@ -125,8 +127,13 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
 
     lin = torch.nn.Linear(k, n, dtype=torch.bfloat16)  # the BF16 baseline
     t_bf16 = _time(lambda: _step(lin, x, dy), repeat)
-    out = {"tokens": m, "out_features": n, "in_features": k,
-           "ms": {"bf16_linear_step": t_bf16 * 1e3}, "recipes": {}}
+    out = {
+        "tokens": m,
+        "out_features": n,
+        "in_features": k,
+        "ms": {"bf16_linear_step": t_bf16 * 1e3},
+        "recipes": {},
+    }
 
     for recipe in recipes:
         cr = cache_recipe(zrw.get_recipe(recipe))
@@ -174,16 +181,20 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
         keep = MXLinear(k, n, bias=True, recipe=recipe, release=False, dtype=torch.bfloat16)
         with torch.no_grad():
             keep.weight.copy_(w0)
-        miss_step = _instrumented(lambda: _step(keep, x, dy), repeat,
-                                  before=lambda: cache.cache_invalidate(keep.weight))
+        miss_step = _instrumented(
+            lambda: _step(keep, x, dy), repeat, before=lambda: cache.cache_invalidate(keep.weight)
+        )
         cache.cache_clear()
 
         ms = lambda d: {key: v * 1e3 for key, v in d.items()}  # noqa: E731
         out["recipes"][recipe] = {
             "step_hit_ms": ms(hit),
             "step_miss_ms": ms(miss_step),
-            "ms": {"weight_quant_kernel": t_wq * 1e3, "weight_miss": t_miss * 1e3,
-                   "release_cycle": (t_rel - t_keep) * 1e3},
+            "ms": {
+                "weight_quant_kernel": t_wq * 1e3,
+                "weight_miss": t_miss * 1e3,
+                "release_cycle": (t_rel - t_keep) * 1e3,
+            },
             "step_hit_over_bf16": hit["total"] / t_bf16,
             "step_miss_over_bf16": miss_step["total"] / t_bf16,
         }
@@ -198,11 +209,14 @@ def run_stack(hidden: int, layers: int, tokens: int, repeat: int = 3) -> dict:
 
     def make(mx: bool):
         torch.manual_seed(0)
-        lins = [torch.nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16)
-                for _ in range(layers)]
+        lins = [
+            torch.nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16) for _ in range(layers)
+        ]
         if mx:
-            lins = [MXLinear.from_linear(lin, "mxfp8", name=f"stack.{i}.weight")
-                    for i, lin in enumerate(lins)]
+            lins = [
+                MXLinear.from_linear(lin, "mxfp8", name=f"stack.{i}.weight")
+                for i, lin in enumerate(lins)
+            ]
         return torch.nn.Sequential(*[m for lin in lins for m in (lin, torch.nn.ReLU())][:-1])
 
     def step(model):
@@ -213,9 +227,13 @@ def run_stack(hidden: int, layers: int, tokens: int, repeat: int = 3) -> dict:
     step(mx)  # the step's first microbatch: quantize and release every weight
     t_mx = _time(lambda: step(mx), repeat)
     cache.cache_clear("dequant")
-    return {"hidden": hidden, "layers": layers, "tokens": tokens,
-            "ms": {"bf16_step": t_bf16 * 1e3, "mxfp8_step": t_mx * 1e3},
-            "mxfp8_over_bf16": t_mx / t_bf16}
+    return {
+        "hidden": hidden,
+        "layers": layers,
+        "tokens": tokens,
+        "ms": {"bf16_step": t_bf16 * 1e3, "mxfp8_step": t_mx * 1e3},
+        "mxfp8_over_bf16": t_mx / t_bf16,
+    }
 
 
 def run_model(hidden: int, steps: int = 3) -> dict:
@@ -243,8 +261,9 @@ def run_model(hidden: int, steps: int = 3) -> dict:
     return out
 
 
-def run_host(recipes=RECIPES, n: int = 64, tokens: int = 4, calls: int = 200,
-             rounds: int = 15) -> dict:
+def run_host(
+    recipes=RECIPES, n: int = 64, tokens: int = 4, calls: int = 200, rounds: int = 15
+) -> dict:
     """The host's cost of a layer: forward + backward of a 64x64 weight on 4 tokens on one
     thread, where the arithmetic is negligible, for nn.Linear in BF16 and MXLinear on a cache
     hit (each with its optimizer built, the weight owned: what a training step's later
@@ -265,6 +284,7 @@ def run_host(recipes=RECIPES, n: int = 64, tokens: int = 4, calls: int = 200,
             def fn():
                 for _ in range(calls):
                     layer(x).backward(dy)
+
             return fn
 
         best = best_of_interleaved({k: steps(v) for k, v in layers.items()}, rounds)
@@ -272,13 +292,25 @@ def run_host(recipes=RECIPES, n: int = 64, tokens: int = 4, calls: int = 200,
     finally:
         torch.set_num_threads(threads)
     us = {k: v / calls * 1e6 for k, v in best.items()}
-    return {"weight": [n, n], "tokens": tokens, "threads": 1, "us": us,
-            "over_linear": {r: us[r] / us["bf16"] for r in recipes}}
+    return {
+        "weight": [n, n],
+        "tokens": tokens,
+        "threads": 1,
+        "us": us,
+        "over_linear": {r: us[r] / us["bf16"] for r in recipes},
+    }
 
 
-def run(tokens: int = 2048, shapes=((1024, 1024), (4096, 1024)), recipes=RECIPES,
-        repeat: int = 3, stack_hidden=(1024, 4096), stack_layers: int = 4,
-        stack_tokens: int = 512, model_hidden: int = 1024) -> dict:
+def run(
+    tokens: int = 2048,
+    shapes=((1024, 1024), (4096, 1024)),
+    recipes=RECIPES,
+    repeat: int = 3,
+    stack_hidden=(1024, 4096),
+    stack_layers: int = 4,
+    stack_tokens: int = 512,
+    model_hidden: int = 1024,
+) -> dict:
     a = torch.randn(64, 64).to(torch.bfloat16)
     best_of(lambda: (a @ a).sum().item(), 1, 2)  # BLAS / oneDNN first-call setup
     testing.reset_gemm_counts()
@@ -303,20 +335,33 @@ def _shape(s: str):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench linear", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench linear",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tokens", type=int, default=2048, help="M, tokens per microbatch")
-    p.add_argument("--shapes", default="1024x1024,4096x1024",
-                   help="comma-separated weight shapes OUTxIN (N x K)")
+    p.add_argument(
+        "--shapes",
+        default="1024x1024,4096x1024",
+        help="comma-separated weight shapes OUTxIN (N x K)",
+    )
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
-    p.add_argument("--stack-hidden", default="1024,4096",
-                   help="comma-separated hidden sizes of the dense layer stack ('' skips it)")
+    p.add_argument(
+        "--stack-hidden",
+        default="1024,4096",
+        help="comma-separated hidden sizes of the dense layer stack ('' skips it)",
+    )
     p.add_argument("--stack-layers", type=int, default=4)
     p.add_argument("--stack-tokens", type=int, default=512)
-    p.add_argument("--model-hidden", type=int, default=1024,
-                   help="hidden size of the demo's dense model (0 skips it)")
+    p.add_argument(
+        "--model-hidden",
+        type=int,
+        default=1024,
+        help="hidden size of the demo's dense model (0 skips it)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
@@ -324,20 +369,33 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     stack_hidden = [int(h) for h in args.stack_hidden.split(",") if h]
-    r = run(args.tokens, shapes, recipes, args.repeat, stack_hidden, args.stack_layers,
-            args.stack_tokens, args.model_hidden)
+    r = run(
+        args.tokens,
+        shapes,
+        recipes,
+        args.repeat,
+        stack_hidden,
+        args.stack_layers,
+        args.stack_tokens,
+        args.model_hidden,
+    )
     if args.json:
         print(json.dumps(r))
         return
-    print(f"zrw {zrw.__version__}: MXLinear training step (forward + backward) vs BF16 "
-          f"nn.Linear, {r['tokens']} tokens, {r['threads']} threads, kernel ISA {r['cpu_isa']}, "
-          f"mx_matmul GEMM {r['gemm_path']} (native BF16: {'yes' if r['native_bf16'] else 'no'})")
+    print(
+        f"zrw {zrw.__version__}: MXLinear training step (forward + backward) vs BF16 "
+        f"nn.Linear, {r['tokens']} tokens, {r['threads']} threads, kernel ISA {r['cpu_isa']}, "
+        f"mx_matmul GEMM {r['gemm_path']} (native BF16: {'yes' if r['native_bf16'] else 'no'})"
+    )
     h = r["host"]
-    print_table(f"\n  host cost per layer: weight {h['weight'][0]}x{h['weight'][1]}, "
-                f"{h['tokens']} tokens, 1 thread, forward + backward (MX: a cache hit; "
-                "issue 28's target: at most 2.5x nn.Linear)", ["", "us", "x nn.Linear"],
-                [["BF16 nn.Linear", h["us"]["bf16"], 1.0]]
-                + [[f"MXLinear ({rc})", h["us"][rc], x] for rc, x in h["over_linear"].items()])
+    print_table(
+        f"\n  host cost per layer: weight {h['weight'][0]}x{h['weight'][1]}, "
+        f"{h['tokens']} tokens, 1 thread, forward + backward (MX: a cache hit; "
+        "issue 28's target: at most 2.5x nn.Linear)",
+        ["", "us", "x nn.Linear"],
+        [["BF16 nn.Linear", h["us"]["bf16"], 1.0]]
+        + [[f"MXLinear ({rc})", h["us"][rc], x] for rc, x in h["over_linear"].items()],
+    )
     for s in r["shapes"]:
         bf16 = s["ms"]["bf16_linear_step"]
         rows = [["BF16 nn.Linear step", bf16, 1.0, ""]]
@@ -345,30 +403,53 @@ def main(argv=None) -> None:
             h, mi, m2 = rr["step_hit_ms"], rr["step_miss_ms"], rr["ms"]
             rows += [
                 [f"MXLinear step, weight hit ({recipe})", h["total"], h["total"] / bf16, 1.0],
-                ["  act quant: Q(x), Q(dy), both axes", h["act_quant"], "",
-                 h["act_quant"] / h["total"]],
+                [
+                    "  act quant: Q(x), Q(dy), both axes",
+                    h["act_quant"],
+                    "",
+                    h["act_quant"] / h["total"],
+                ],
                 ["  matmul emu: 3 MX GEMMs", h["matmul_emu"], "", h["matmul_emu"] / h["total"]],
                 ["  cache lookup (hit)", h["weight"], "", h["weight"] / h["total"]],
                 ["  other (autograd, bias, reshape)", h["other"], "", h["other"] / h["total"]],
                 [f"MXLinear step, weight miss ({recipe})", mi["total"], mi["total"] / bf16, 1.0],
-                ["  weight miss: quant_and_release", mi["weight"], "",
-                 mi["weight"] / mi["total"]],
+                ["  weight miss: quant_and_release", mi["weight"], "", mi["weight"] / mi["total"]],
                 ["  (weight quant kernel alone)", m2["weight_quant_kernel"], "", ""],
                 ["  release + restore, per step", m2["release_cycle"], "", ""],
             ]
-        print_table(f"\n  M={s['tokens']}, weight {s['out_features']}x{s['in_features']} "
-                    f"(out x in)", ["", "ms", "x BF16 step", "share of step"], rows)
+        print_table(
+            f"\n  M={s['tokens']}, weight {s['out_features']}x{s['in_features']} (out x in)",
+            ["", "ms", "x BF16 step", "share of step"],
+            rows,
+        )
     if r["stack"]:
-        rows = [[f"{s['layers']} x {s['hidden']}x{s['hidden']}, {s['tokens']} tokens",
-                 s["ms"]["bf16_step"], s["ms"]["mxfp8_step"], s["mxfp8_over_bf16"]]
-                for s in r["stack"]]
-        print_table("\n  dense layer stack, forward + backward (MX: weights are cache hits)",
-                    ["stack", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"], rows)
+        rows = [
+            [
+                f"{s['layers']} x {s['hidden']}x{s['hidden']}, {s['tokens']} tokens",
+                s["ms"]["bf16_step"],
+                s["ms"]["mxfp8_step"],
+                s["mxfp8_over_bf16"],
+            ]
+            for s in r["stack"]
+        ]
+        print_table(
+            "\n  dense layer stack, forward + backward (MX: weights are cache hits)",
+            ["stack", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"],
+            rows,
+        )
     if r["model"]:
         m = r["model"]
-        print_table(f"\n  the demo's dense model at hidden {m['hidden']} ({m['layers']} layers, "
-                    f"{m['tokens']} tokens): forward + backward + MasterWeights(AdamW) step",
-                    ["model", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"],
-                    [["Qwen3 (transformers)", m["ms"]["bf16_step"], m["ms"]["mxfp8_step"],
-                      m["mxfp8_over_bf16"]]])
+        print_table(
+            f"\n  the demo's dense model at hidden {m['hidden']} ({m['layers']} layers, "
+            f"{m['tokens']} tokens): forward + backward + MasterWeights(AdamW) step",
+            ["model", "BF16 ms", "mxfp8 ms", "mxfp8 / BF16"],
+            [
+                [
+                    "Qwen3 (transformers)",
+                    m["ms"]["bf16_step"],
+                    m["ms"]["mxfp8_step"],
+                    m["mxfp8_over_bf16"],
+                ]
+            ],
+        )
     print(f"\n  mx_matmul calls per GEMM in this run: {r['mx_matmul_gemm_calls']}")

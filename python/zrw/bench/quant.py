@@ -30,6 +30,7 @@ on all threads; and all threads no slower than one for any kernel). A build forc
 CPU runs its own instructions only: `--isa avx2` on an AVX-512 machine measures the AVX2 kernels
 (with that machine's memory system).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,15 +111,17 @@ def _matmul_fp32_path(mm: int) -> dict | None:
     )
     env = dict(os.environ, ZRW_CPU_GEMM="fp32")
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except Exception:  # a figure the benchmark cannot get is shown as missing, not fatal
         return None
 
 
-def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
-        fp32_gemm_child: bool = True) -> dict:
+def run(
+    n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7, fp32_gemm_child: bool = True
+) -> dict:
     """Every figure of the benchmark. Sets glibc's malloc thresholds for the rest of the process
     (see the module docstring): call it from a process of its own."""
     torch.manual_seed(0)
@@ -139,10 +142,10 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
     master_kernels = {
         "copy_fp32": lambda: dst32.copy_(master),
         "dual_from_master": lambda: ops.mx_quantize_dual_from_master(master, bf16, e4m3, "floor"),
-        "block_from_master":
-            lambda: ops.mx_quantize_block_from_master(master, bf16, e4m3, "floor"),
-        "single_dim_-1_from_master":
-            lambda: ops.mx_quantize_from_master(master, -1, bf16, e4m3, "floor"),
+        "block_from_master": lambda: ops.mx_quantize_block_from_master(master, bf16, e4m3, "floor"),
+        "single_dim_-1_from_master": lambda: ops.mx_quantize_from_master(
+            master, -1, bf16, e4m3, "floor"
+        ),
         "cast_then_dual": lambda: ops.mx_quantize_dual(master.to(bf16), e4m3, "floor"),
     }
     every = {**kernels, **master_kernels}
@@ -164,7 +167,8 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
     t_dual_fresh = None
     if fresh_pages():
         t_dual_fresh = best_of_interleaved(
-            {"copy": kernels["copy"], "dual": kernels["dual"]}, repeat)["dual"]
+            {"copy": kernels["copy"], "dual": kernels["dual"]}, repeat
+        )["dual"]
         warm_heap()
 
     # Bytes moved per second, and that rate against the copy's in the same rounds (the copy of
@@ -177,9 +181,12 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
             copy_name = "copy" if name in kernels else "copy_fp32"
             gbs = BYTES_PER_ELEM[name] * elems / sec / 1e9
             copy_gbs = BYTES_PER_ELEM[copy_name] * elems / times[copy_name] / 1e9
-            rows[name] = {"ms": sec * 1e3, "gb_per_s": gbs,
-                          "x_copy_time": sec / times[copy_name],
-                          "of_copy_bandwidth": gbs / copy_gbs}
+            rows[name] = {
+                "ms": sec * 1e3,
+                "gb_per_s": gbs,
+                "x_copy_time": sec / times[copy_name],
+                "of_copy_bandwidth": gbs / copy_gbs,
+            }
         bandwidth[str(nt)] = rows
 
     to_mx = _torchao_to_mx()
@@ -252,19 +259,32 @@ def run(n: int = 4096, k: int = 4096, mm: int = 2048, repeat: int = 7,
         "matmul_shape": [mm, mm, mm],
         "mx_matmul_over_bf16_matmul": t_mm_mx / t_mm_bf16,
         # the FP32 GEMM path (ZRW_CPU_GEMM=fp32, bf16 result) over an fp32 torch.matmul
-        "mx_matmul_fp32_gemm_over_fp32_matmul": None if fp32_path is None
+        "mx_matmul_fp32_gemm_over_fp32_matmul": None
+        if fp32_path is None
         else fp32_path["mx_matmul"] / fp32_path["matmul_fp32"],
     }
 
 
 ISAS = ("avx512", "avx2", "base")
 # zrw's own kernels (not the copies the ratios divide by, nor the two-pass cast + dual)
-ZRW_KERNELS = ("dual", "block", "single_dim_-1", "single_dim_0", "dual_from_master",
-               "block_from_master", "single_dim_-1_from_master")
+ZRW_KERNELS = (
+    "dual",
+    "block",
+    "single_dim_-1",
+    "single_dim_0",
+    "dual_from_master",
+    "block_from_master",
+    "single_dim_-1_from_master",
+)
 
 # The issue's targets: kernel -> the largest time over the copy on all threads.
-TARGETS = {"single_dim_-1": 1.0, "single_dim_0": 1.0, "dual": 1.3, "block": 1.1,
-           "dual_from_master": 1.2}
+TARGETS = {
+    "single_dim_-1": 1.0,
+    "single_dim_0": 1.0,
+    "dual": 1.3,
+    "block": 1.1,
+    "dual_from_master": 1.2,
+}
 
 
 def run_isas(isas, n: int, k: int, mm: int, repeat: int) -> dict:
@@ -277,8 +297,21 @@ def run_isas(isas, n: int, k: int, mm: int, repeat: int) -> dict:
     out = {}
     for isa in isas:
         env = dict(os.environ, ZRW_CPU_ISA=isa)
-        cmd = [sys.executable, "-m", "zrw.bench", "quant", "--json", "--n", str(n), "--k", str(k),
-               "--mm", str(mm), "--repeat", str(repeat)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zrw.bench",
+            "quant",
+            "--json",
+            "--n",
+            str(n),
+            "--k",
+            str(k),
+            "--mm",
+            str(mm),
+            "--repeat",
+            str(repeat),
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -308,30 +341,43 @@ def target_rows(results: dict) -> list:
 
 
 def print_targets(results: dict, threads: int) -> None:
-    header = ["ISA"] + [f"{name} (<= {limit})" for name, limit in TARGETS.items()] + \
-        ["min thr speed-up (>= 1)"]
-    print_table(f"\n  targets: time over the copy on {threads} threads, per kernel build",
-                header, target_rows(results))
+    header = (
+        ["ISA"]
+        + [f"{name} (<= {limit})" for name, limit in TARGETS.items()]
+        + ["min thr speed-up (>= 1)"]
+    )
+    print_table(
+        f"\n  targets: time over the copy on {threads} threads, per kernel build",
+        header,
+        target_rows(results),
+    )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench quant", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench quant",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--n", type=int, default=4096, help="weight rows (out_features)")
     p.add_argument("--k", type=int, default=4096, help="weight columns (in_features)")
     p.add_argument("--mm", type=int, default=2048, help="M = N = K of the matmul comparison")
     p.add_argument("--repeat", type=int, default=7)
-    p.add_argument("--isa", default="",
-                   help="comma-separated kernel builds to run each in its own process "
-                        f"({', '.join(ISAS)}), or 'all'; default: the one this process picks")
+    p.add_argument(
+        "--isa",
+        default="",
+        help="comma-separated kernel builds to run each in its own process "
+        f"({', '.join(ISAS)}), or 'all'; default: the one this process picks",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
     if args.isa:
         isas = ISAS if args.isa == "all" else [x for x in args.isa.split(",") if x]
         unknown = sorted(set(isas) - set(ISAS))
         if unknown:
-            p.error(f"--isa: unknown kernel build(s) {unknown}; expected some of {list(ISAS)} "
-                    "or 'all'")
+            p.error(
+                f"--isa: unknown kernel build(s) {unknown}; expected some of {list(ISAS)} or 'all'"
+            )
         results = run_isas(isas, args.n, args.k, args.mm, args.repeat)
         if args.json:
             print(json.dumps(results))
@@ -355,8 +401,10 @@ def main(argv=None) -> None:
 
 def print_report(r: dict, args) -> None:
     ms, sp = r["ms"], r["speedup_vs_torchao"]
-    print(f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} weight "
-          f"(bf16, and an fp32 master), kernel ISA {r['cpu_isa']}, CPU {r['cpu_model']}")
+    print(
+        f"zrw {zrw.__version__}: MX quantization of a {args.n}x{args.k} weight "
+        f"(bf16, and an fp32 master), kernel ISA {r['cpu_isa']}, CPU {r['cpu_model']}"
+    )
     counts = sorted(r["bandwidth"], key=int)
     header = ["kernel", "B/elem"]
     for nt in counts:
@@ -383,24 +431,36 @@ def print_report(r: dict, args) -> None:
             row += [b["ms"], b["gb_per_s"], b["x_copy_time"], b["of_copy_bandwidth"]]
         row.append(r["thread_speedup"][name])
         rows.append(row)
-    print_table("\n  x copy: time over the copy_ of the same source dtype in the same rounds "
-                "(bf16 ops vs bf16 copy_, master ops vs fp32 copy_); BW/copy: bytes moved per "
-                "second over the copy's; thr speed-up: 1-thread time / "
-                f"{r['threads']}-thread time", header, rows)
+    print_table(
+        "\n  x copy: time over the copy_ of the same source dtype in the same rounds "
+        "(bf16 ops vs bf16 copy_, master ops vs fp32 copy_); BW/copy: bytes moved per "
+        "second over the copy's; thr speed-up: 1-thread time / "
+        f"{r['threads']}-thread time",
+        header,
+        rows,
+    )
     if r["speedup_vs_torchao"]["dual"] is not None:
-        print(f"\n  torchao to_mx: dual {ms['torchao_to_mx_dual']:.4g} ms "
-              f"(zrw {sp['dual']:.0f}x faster), one axis {ms['torchao_to_mx_single']:.4g} ms "
-              f"(zrw {sp['single_dim_-1']:.0f}x faster)")
+        print(
+            f"\n  torchao to_mx: dual {ms['torchao_to_mx_dual']:.4g} ms "
+            f"(zrw {sp['dual']:.0f}x faster), one axis {ms['torchao_to_mx_single']:.4g} ms "
+            f"(zrw {sp['single_dim_-1']:.0f}x faster)"
+        )
     print(f"  output memory: {r['allocator']}")
     if ms["dual_fresh_output_pages"] is not None:
         fresh = ms["dual_fresh_output_pages"]
-        print(f"  dual-axis with fresh output pages: {fresh:.3g} ms "
-              f"({fresh / ms['copy']:.2f}x copy; +{fresh - ms['dual']:.3g} ms of page faults)")
-    print(f"  mx_matmul {args.mm}^3: {ms['mx_matmul']:.4g} ms vs bf16 torch.matmul "
-          f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time "
-          f"(inner GEMM: {'/'.join(r['mx_matmul_gemm_ran'])}; native BF16: "
-          f"{'yes' if r['native_bf16'] else 'no'})")
+        print(
+            f"  dual-axis with fresh output pages: {fresh:.3g} ms "
+            f"({fresh / ms['copy']:.2f}x copy; +{fresh - ms['dual']:.3g} ms of page faults)"
+        )
+    print(
+        f"  mx_matmul {args.mm}^3: {ms['mx_matmul']:.4g} ms vs bf16 torch.matmul "
+        f"{ms['matmul_bf16']:.4g} ms -> {r['mx_matmul_over_bf16_matmul']:.2f}x the bf16 time "
+        f"(inner GEMM: {'/'.join(r['mx_matmul_gemm_ran'])}; native BF16: "
+        f"{'yes' if r['native_bf16'] else 'no'})"
+    )
     if r["mx_matmul_fp32_gemm_over_fp32_matmul"] is not None:
-        print(f"  mx_matmul {args.mm}^3 on the FP32 GEMM path (ZRW_CPU_GEMM=fp32, bf16 result): "
-              f"{ms['mx_matmul_fp32_gemm']:.4g} ms vs fp32 torch.matmul {ms['matmul_fp32']:.4g} "
-              f"ms -> {r['mx_matmul_fp32_gemm_over_fp32_matmul']:.2f}x the fp32 time")
+        print(
+            f"  mx_matmul {args.mm}^3 on the FP32 GEMM path (ZRW_CPU_GEMM=fp32, bf16 result): "
+            f"{ms['mx_matmul_fp32_gemm']:.4g} ms vs fp32 torch.matmul {ms['matmul_fp32']:.4g} "
+            f"ms -> {r['mx_matmul_fp32_gemm_over_fp32_matmul']:.2f}x the fp32 time"
+        )

@@ -42,6 +42,7 @@ fit the budget (--mem-gib, default half of MemAvailable: the host is shared), fe
 the same shapes run and the figures are scaled per layer to the seed's count (the output says
 so). Shapes never shrink; --tiny runs tiny shapes (for the tests).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,31 +64,66 @@ from zrw.bench import seed_2d
 from zrw.bench._timing import print_table, typical_step
 from zrw.optim import MasterWeights, attach
 
-MIB = 2 ** 20
+MIB = 2**20
 
 # The seed's figures (max_allocated in MB as printed by torch.npu: MiB).
 SEED_RUNS = {
-    "5.1": dict(title="Qwen3-32B, 2 layers, one card", kind="dense", layers=2, world=1, tp=1,
-                ep=1, seed_before=57307.43, seed_after=55447.18),
-    "5.2": dict(title="Qwen3-32B, 6 layers, TP=4 (transformers tp_plan)", kind="dense",
-                layers=6, world=4, tp=4, ep=1, seed_before=26426.90, seed_after=25024.40),
-    "5.3": dict(title="Qwen3-30B-A3B, 2 layers, EP=2 x 8 experts per card (transformers "
-                "ep_plan; attention at TP=2)", kind="moe", layers=2, world=2, tp=2, ep=2,
-                seed_before=41519.62, seed_after=40671.62),
+    "5.1": dict(
+        title="Qwen3-32B, 2 layers, one card",
+        kind="dense",
+        layers=2,
+        world=1,
+        tp=1,
+        ep=1,
+        seed_before=57307.43,
+        seed_after=55447.18,
+    ),
+    "5.2": dict(
+        title="Qwen3-32B, 6 layers, TP=4 (transformers tp_plan)",
+        kind="dense",
+        layers=6,
+        world=4,
+        tp=4,
+        ep=1,
+        seed_before=26426.90,
+        seed_after=25024.40,
+    ),
+    "5.3": dict(
+        title="Qwen3-30B-A3B, 2 layers, EP=2 x 8 experts per card (transformers "
+        "ep_plan; attention at TP=2)",
+        kind="moe",
+        layers=2,
+        world=2,
+        tp=2,
+        ep=2,
+        seed_before=41519.62,
+        seed_after=40671.62,
+    ),
     # Not a seed run (no figure to compare with): the 5.2 model's 6 layers as 2 pipeline stages.
-    "pp": dict(title="Qwen3-32B, 6 layers, PP=2 (torch.distributed.pipelining, Schedule1F1B; "
-               "3 layers per stage)", kind="dense", layers=6, world=2, tp=1, ep=1, pp=2,
-               seed_before=None, seed_after=None),
+    "pp": dict(
+        title="Qwen3-32B, 6 layers, PP=2 (torch.distributed.pipelining, Schedule1F1B; "
+        "3 layers per stage)",
+        kind="dense",
+        layers=6,
+        world=2,
+        tp=1,
+        ep=1,
+        pp=2,
+        seed_before=None,
+        seed_after=None,
+    ),
 }
 DENSE_32B = dict(hidden=5120, heads=64, kv_heads=8, head_dim=128, ffn=25600)
-MOE_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, moe_ffn=768,
-               experts=16, top_k=8)  # 16 experts: 8 per card at EP=2
+MOE_30B = dict(
+    hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, moe_ffn=768, experts=16, top_k=8
+)  # 16 experts: 8 per card at EP=2
 TINY_DENSE = dict(hidden=64, heads=4, kv_heads=4, head_dim=32, ffn=128)
-TINY_MOE = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, moe_ffn=64, experts=4,
-                top_k=2)
+TINY_MOE = dict(
+    hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, moe_ffn=64, experts=4, top_k=2
+)
 VOCAB = 512
-STATE_BYTES = 12.1   # per converted weight per rank: bf16 2 + master 4 + main_grad 4 + fp8 2.1
-PROCESS_BYTES = 0.7 * 2 ** 30  # a rank's own footprint (torch, transformers, gloo)
+STATE_BYTES = 12.1  # per converted weight per rank: bf16 2 + master 4 + main_grad 4 + fp8 2.1
+PROCESS_BYTES = 0.7 * 2**30  # a rank's own footprint (torch, transformers, gloo)
 
 
 def shapes(kind: str, tiny: bool) -> dict:
@@ -109,17 +145,31 @@ def converted_per_layer(kind: str, s: dict, tp: int, ep: int) -> int:
 def build(kind: str, s: dict, layers: int, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=s["hidden"], num_hidden_layers=layers,
-                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                  head_dim=s["head_dim"], intermediate_size=s["ffn"],
-                  max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=s["hidden"],
+        num_hidden_layers=layers,
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["ffn"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     if kind == "dense":
         cls, cfg = Qwen3ForCausalLM, Qwen3Config(**common)
     else:
-        cls, cfg = Qwen3MoeForCausalLM, Qwen3MoeConfig(
-            moe_intermediate_size=s["moe_ffn"], num_experts=s["experts"],
-            num_experts_per_tok=s["top_k"], decoder_sparse_step=1, norm_topk_prob=True,
-            **common)
+        cls, cfg = (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                moe_intermediate_size=s["moe_ffn"],
+                num_experts=s["experts"],
+                num_experts_per_tok=s["top_k"],
+                decoder_sparse_step=1,
+                norm_topk_prob=True,
+                **common,
+            ),
+        )
     torch.manual_seed(seed)
     # Built in BF16 directly (no FP32 transient), as from_config(dtype=...) does.
     return cls._from_config(cfg, dtype=torch.bfloat16).train()
@@ -152,7 +202,7 @@ class _PPStage(torch.nn.Module):
 @dataclass
 class ModeResult:
     losses: List[float] = field(default_factory=list)
-    window_peaks: List[int] = field(default_factory=list)     # per step
+    window_peaks: List[int] = field(default_factory=list)  # per step
     optimizer_peaks: List[int] = field(default_factory=list)  # per step
     workspace_bytes: List[int] = field(default_factory=list)  # mx_matmul's, per step
     released_bytes: int = 0
@@ -189,8 +239,13 @@ def _train_mode(mode: str, run: dict, s: dict, layers: int, args: dict) -> (Mode
     opt.register_step_pre_hook(step_start)
     opt.register_step_post_hook(lambda o, a, k: res.optimizer_peaks.append(memory.peak()))
     g = torch.Generator().manual_seed(1)
-    data = [[torch.randint(0, VOCAB, (1, args["tokens"]), generator=g)
-             for _ in range(args["micro_batches"])] for _ in range(args["steps"])]
+    data = [
+        [
+            torch.randint(0, VOCAB, (1, args["tokens"]), generator=g)
+            for _ in range(args["micro_batches"])
+        ]
+        for _ in range(args["steps"])
+    ]
 
     _measured_loop(data, opt, functools.partial(_micro_batches, model, res.losses), run["world"])
     res.released_bytes = marks["released"]
@@ -264,15 +319,18 @@ def _train_mode_pp(mode: str, run: dict, s: dict, layers: int, args: dict) -> (M
     hidden = torch.empty(1, tokens, s["hidden"], dtype=torch.bfloat16, requires_grad=True)
     logits = torch.empty(1, tokens, VOCAB, dtype=torch.bfloat16, requires_grad=True)
     stage = pipelining.PipelineStage(
-        stage_mod, rank, pp, torch.device("cpu"),
+        stage_mod,
+        rank,
+        pp,
+        torch.device("cpu"),
         input_args=torch.zeros(1, tokens, dtype=torch.long) if first else hidden,
-        output_args=logits if last else hidden)
+        output_args=logits if last else hidden,
+    )
 
     def loss_fn(out, target):
         return F.cross_entropy(out.float().reshape(-1, VOCAB), target.reshape(-1)) / micro
 
-    sched = pipelining.Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn,
-                                    scale_grads=False)
+    sched = pipelining.Schedule1F1B(stage, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
     opt = MasterWeights(torch.optim.SGD, stage_mod.parameters(), lr=1e-4)
     res = ModeResult()
     marks: Dict[str, int] = {}
@@ -290,14 +348,19 @@ def _train_mode_pp(mode: str, run: dict, s: dict, layers: int, args: dict) -> (M
     data = [torch.randint(0, VOCAB, (micro, tokens), generator=g) for _ in range(args["steps"])]
     losses: List[float] = []
 
-    _measured_loop(data, opt, functools.partial(_pp_step, sched, first, last, micro, losses),
-                   run["world"])
+    _measured_loop(
+        data, opt, functools.partial(_pp_step, sched, first, last, micro, losses), run["world"]
+    )
     shared = [losses]
     dist.broadcast_object_list(shared, src=pp - 1)  # the last stage's losses, on every rank
     res.losses = shared[0]
     res.released_bytes = marks["released"]
-    info = {"local_elements": psum.local_elements, "converted_modules": len(summary.converted),
-            "stage": rank, "layers_per_rank": layers // pp}
+    info = {
+        "local_elements": psum.local_elements,
+        "converted_modules": len(summary.converted),
+        "stage": rank,
+        "layers_per_rank": layers // pp,
+    }
     del sched, stage, stage_mod, opt
     cache.cache_clear()
     return res, info
@@ -313,8 +376,13 @@ def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out
     if world > 1:
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+        )
         dist.init_process_group("gloo", rank=rank, world_size=world)
     import transformers
 
@@ -327,8 +395,12 @@ def _rank(rank: int, run: dict, s: dict, layers: int, args: dict, port: int, out
         ops.free_matmul_workspace()
         results[mode], info = _train_mode(mode, run, s, layers, args)
         gc.collect()
-    mine = {"rank": rank, "before": asdict(results["before"]), "after": asdict(results["after"]),
-            **info}
+    mine = {
+        "rank": rank,
+        "before": asdict(results["before"]),
+        "after": asdict(results["after"]),
+        **info,
+    }
     if world > 1:
         import torch.distributed as dist
 
@@ -356,7 +428,7 @@ def mem_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 16 * 2 ** 30
+    return 16 * 2**30
 
 
 def plan_layers(run: dict, s: dict, budget: int, requested: Optional[int]) -> (int, int):
@@ -377,9 +449,16 @@ def plan_layers(run: dict, s: dict, budget: int, requested: Optional[int]) -> (i
     return layers, int(fixed + layers * per_layer * holders)
 
 
-def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
-               layers: Optional[int] = None, tokens: int = 64, micro_batches: int = 2,
-               steps: int = 3, threads: int = 2) -> dict:
+def run_config(
+    name: str,
+    tiny: bool = False,
+    budget: Optional[int] = None,
+    layers: Optional[int] = None,
+    tokens: int = 64,
+    micro_batches: int = 2,
+    steps: int = 3,
+    threads: int = 2,
+) -> dict:
     import torch.multiprocessing as mp
 
     run = SEED_RUNS[name]
@@ -390,8 +469,9 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
-        mp.spawn(_rank, args=(run, s, n_layers, args, _free_port(), out), nprocs=run["world"],
-                 join=True)
+        mp.spawn(
+            _rank, args=(run, s, n_layers, args, _free_port(), out), nprocs=run["world"], join=True
+        )
         with open(out) as f:
             ranks = json.load(f)
     seconds = time.perf_counter() - t0
@@ -412,49 +492,74 @@ def run_config(name: str, tiny: bool = False, budget: Optional[int] = None,
         sg = typical_step([gb[i] - ga[i] for i in range(len(gb))])
         window = wb[sw] - wa[sw]
         glob_b, glob_a = gb[sg], ga[sg]
-        phase = {m: "fwd/bwd" if r[m]["window_peaks"][sg] >= r[m]["optimizer_peaks"][sg]
-                 else "optimizer" for m in ("before", "after")}
-        rows.append({
-            "rank": r["rank"],
-            "converted_params": r["local_elements"],
-            "converted_params_per_layer_formula": per_layer,
-            "layers_held": per_rank_layers,
-            "theory_2N_bytes": theory,
-            "released_bytes": a["released_bytes"],
-            "window_saving_bytes": window,
-            "window_saving_vs_theory": window / theory if theory else None,
-            "window_peak_before_bytes": wb[sw],
-            "window_peak_after_bytes": wa[sw],
-            "window_saving_per_step_bytes": [wb[i] - wa[i] for i in range(len(wb))],
-            "global_saving_per_step_bytes": [gb[i] - ga[i] for i in range(len(gb))],
-            "window_peaks_per_step_bytes": {"before": wb, "after": wa},
-            "workspace_per_step_bytes": {"before": b["workspace_bytes"],
-                                         "after": a["workspace_bytes"]},
-            "typical_steps": {"window": sw, "global": sg},
-            "global_peak_before_bytes": glob_b,
-            "global_peak_after_bytes": glob_a,
-            "global_peak_phase": phase,
-            "global_saving_bytes": glob_b - glob_a,
-            "scaled_theory_bytes": theory * scale,
-            "scaled_window_saving_bytes": window * scale,
-            "scaled_global_saving_bytes": (glob_b - glob_a) * scale,
-            "seed_saving_bytes": seed_saving,
-            "scaled_window_saving_vs_seed": window * scale / seed_saving if has_seed else None,
-            "losses_before": b["losses"], "losses_after": a["losses"],
-            "losses_bitwise_equal": b["losses"] == a["losses"],
-        })
-    return {"config": name, "title": run["title"], "tiny": tiny, "shapes": s,
-            "world": run["world"], "tp": run["tp"], "ep": run["ep"], "pp": run.get("pp", 1),
-            "seed_layers": run["layers"], "layers_run": n_layers, "scale": scale,
-            "layers_per_rank": per_rank_layers,
-            "host_budget_bytes": budget, "host_estimate_bytes": estimate,
-            "host_estimate_full_bytes": plan_layers(run, s, budget, run["layers"])[1],
-            "tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "steps": steps,
-            "seconds": seconds, "seed": {"before_mib": run["seed_before"],
-                                         "after_mib": run["seed_after"],
-                                         "saving_mib": seed_saving / MIB} if has_seed else None,
-            "moe_explanation": moe_explanation(s) if run["kind"] == "moe" and not tiny else None,
-            "ranks": rows}
+        phase = {
+            m: "fwd/bwd" if r[m]["window_peaks"][sg] >= r[m]["optimizer_peaks"][sg] else "optimizer"
+            for m in ("before", "after")
+        }
+        rows.append(
+            {
+                "rank": r["rank"],
+                "converted_params": r["local_elements"],
+                "converted_params_per_layer_formula": per_layer,
+                "layers_held": per_rank_layers,
+                "theory_2N_bytes": theory,
+                "released_bytes": a["released_bytes"],
+                "window_saving_bytes": window,
+                "window_saving_vs_theory": window / theory if theory else None,
+                "window_peak_before_bytes": wb[sw],
+                "window_peak_after_bytes": wa[sw],
+                "window_saving_per_step_bytes": [wb[i] - wa[i] for i in range(len(wb))],
+                "global_saving_per_step_bytes": [gb[i] - ga[i] for i in range(len(gb))],
+                "window_peaks_per_step_bytes": {"before": wb, "after": wa},
+                "workspace_per_step_bytes": {
+                    "before": b["workspace_bytes"],
+                    "after": a["workspace_bytes"],
+                },
+                "typical_steps": {"window": sw, "global": sg},
+                "global_peak_before_bytes": glob_b,
+                "global_peak_after_bytes": glob_a,
+                "global_peak_phase": phase,
+                "global_saving_bytes": glob_b - glob_a,
+                "scaled_theory_bytes": theory * scale,
+                "scaled_window_saving_bytes": window * scale,
+                "scaled_global_saving_bytes": (glob_b - glob_a) * scale,
+                "seed_saving_bytes": seed_saving,
+                "scaled_window_saving_vs_seed": window * scale / seed_saving if has_seed else None,
+                "losses_before": b["losses"],
+                "losses_after": a["losses"],
+                "losses_bitwise_equal": b["losses"] == a["losses"],
+            }
+        )
+    return {
+        "config": name,
+        "title": run["title"],
+        "tiny": tiny,
+        "shapes": s,
+        "world": run["world"],
+        "tp": run["tp"],
+        "ep": run["ep"],
+        "pp": run.get("pp", 1),
+        "seed_layers": run["layers"],
+        "layers_run": n_layers,
+        "scale": scale,
+        "layers_per_rank": per_rank_layers,
+        "host_budget_bytes": budget,
+        "host_estimate_bytes": estimate,
+        "host_estimate_full_bytes": plan_layers(run, s, budget, run["layers"])[1],
+        "tokens_per_micro_batch": tokens,
+        "micro_batches": micro_batches,
+        "steps": steps,
+        "seconds": seconds,
+        "seed": {
+            "before_mib": run["seed_before"],
+            "after_mib": run["seed_after"],
+            "saving_mib": seed_saving / MIB,
+        }
+        if has_seed
+        else None,
+        "moe_explanation": moe_explanation(s) if run["kind"] == "moe" and not tiny else None,
+        "ranks": rows,
+    }
 
 
 def moe_explanation(s: dict) -> dict:
@@ -465,7 +570,8 @@ def moe_explanation(s: dict) -> dict:
     seed_weights = (SEED_RUNS["5.3"]["seed_before"] - SEED_RUNS["5.3"]["seed_after"]) * MIB / 2
     layers = SEED_RUNS["5.3"]["layers"]
     return {
-        "attention_per_layer": attn, "expert": expert,
+        "attention_per_layer": attn,
+        "expert": expert,
         "8_experts_attention_replicated_mib": 2 * layers * (attn + 8 * expert) / MIB,
         "8_experts_attention_tp2_mib": 2 * layers * (attn // 2 + 8 * expert) / MIB,
         "64_experts_attention_replicated_mib": 2 * layers * (attn + 64 * expert) / MIB,
@@ -484,82 +590,135 @@ def print_config(r: dict) -> None:
     shape = ", ".join(f"{k} {v}" for k, v in s.items())
     print(f"  shapes: {shape}, vocab {VOCAB}{' (TINY, for tests)' if r['tiny'] else ''}")
     ranks = "1 process" if r["world"] == 1 else f"{r['world']} gloo ranks on CPU"
-    par = (f"PP={r['pp']} (one stage of {r['layers_per_rank']} layer(s) per rank, Schedule1F1B)"
-           if r.get("pp", 1) > 1 else f"TP={r['tp']}, EP={r['ep']}")
-    print(f"  {ranks}, {par}; "
-          f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
-          f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s; each saving is the one "
-          f"most of steps 2-{r['steps']} measured (per step: same data in both modes)")
+    par = (
+        f"PP={r['pp']} (one stage of {r['layers_per_rank']} layer(s) per rank, Schedule1F1B)"
+        if r.get("pp", 1) > 1
+        else f"TP={r['tp']}, EP={r['ep']}"
+    )
+    print(
+        f"  {ranks}, {par}; "
+        f"{r['steps']} steps x {r['micro_batches']} micro-batches of "
+        f"{r['tokens_per_micro_batch']} tokens; {r['seconds']:.0f} s; each saving is the one "
+        f"most of steps 2-{r['steps']} measured (per step: same data in both modes)"
+    )
     whose = "the seed's" if r["seed"] else "5.2's"  # PP runs 5.2's model
     if r["layers_run"] < r["seed_layers"]:
-        print(f"  host memory: {whose} {r['seed_layers']} layers need ~"
-              f"{r['host_estimate_full_bytes'] / 2**30:.1f} GiB for all ranks, over the budget of "
-              f"{r['host_budget_bytes'] / 2**30:.1f} GiB: ran {r['layers_run']} layer(s) of the "
-              f"same shapes (~{r['host_estimate_bytes'] / 2**30:.1f} GiB); the scaled figures "
-              f"are x{r['scale']:g} per layer")
+        print(
+            f"  host memory: {whose} {r['seed_layers']} layers need ~"
+            f"{r['host_estimate_full_bytes'] / 2**30:.1f} GiB for all ranks, over the budget of "
+            f"{r['host_budget_bytes'] / 2**30:.1f} GiB: ran {r['layers_run']} layer(s) of the "
+            f"same shapes (~{r['host_estimate_bytes'] / 2**30:.1f} GiB); the scaled figures "
+            f"are x{r['scale']:g} per layer"
+        )
     else:
-        print(f"  layers: {r['layers_run']}, as in {whose[:-2]} (~"
-              f"{r['host_estimate_bytes'] / 2**30:.1f} GiB for all ranks)")
+        print(
+            f"  layers: {r['layers_run']}, as in {whose[:-2]} (~"
+            f"{r['host_estimate_bytes'] / 2**30:.1f} GiB for all ranks)"
+        )
     rows = []
     for x in r["ranks"]:
-        rows.append([x["rank"], f"{x['converted_params']:,}", _mib(x["theory_2N_bytes"]),
-                     f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
-                     f"{x['window_peak_after_bytes'] / MIB:,.1f}",
-                     _mib(x["window_saving_bytes"]),
-                     f"{100 * x['window_saving_vs_theory']:.2f}%",
-                     f"{_mib(x['global_saving_bytes'])} ({x['global_peak_phase']['before']}"
-                     f" -> {x['global_peak_phase']['after']})",
-                     "yes" if x["losses_bitwise_equal"] else "NO"])
-    print_table("", ["rank", "converted params", "theory 2N", "fwd/bwd peak MiB",
-                     "window saving", "of theory",
-                     "global-peak saving (peak in)", "losses bitwise"], rows)
+        rows.append(
+            [
+                x["rank"],
+                f"{x['converted_params']:,}",
+                _mib(x["theory_2N_bytes"]),
+                f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
+                f"{x['window_peak_after_bytes'] / MIB:,.1f}",
+                _mib(x["window_saving_bytes"]),
+                f"{100 * x['window_saving_vs_theory']:.2f}%",
+                f"{_mib(x['global_saving_bytes'])} ({x['global_peak_phase']['before']}"
+                f" -> {x['global_peak_phase']['after']})",
+                "yes" if x["losses_bitwise_equal"] else "NO",
+            ]
+        )
+    print_table(
+        "",
+        [
+            "rank",
+            "converted params",
+            "theory 2N",
+            "fwd/bwd peak MiB",
+            "window saving",
+            "of theory",
+            "global-peak saving (peak in)",
+            "losses bitwise",
+        ],
+        rows,
+    )
     seed = r["seed"]["saving_mib"] if r["seed"] else None
     scaled = [x["scaled_window_saving_bytes"] / MIB for x in r["ranks"]]
     theory = [x["scaled_theory_bytes"] / MIB for x in r["ranks"]]
     glob = [x["scaled_global_saving_bytes"] / MIB for x in r["ranks"]]
-    what = f"scaled to {whose} {r['seed_layers']} layers" if r["scale"] != 1 else \
-        f"{r['seed_layers']} layers"
-    print(f"  per card, {what}: theory 2N {theory[0]:,.1f} MiB; measured window saving "
-          + ", ".join(f"{v:,.1f}" for v in scaled) + " MiB; global-peak saving "
-          + ", ".join(f"{v:,.1f}" for v in glob) + " MiB")
+    what = (
+        f"scaled to {whose} {r['seed_layers']} layers"
+        if r["scale"] != 1
+        else f"{r['seed_layers']} layers"
+    )
+    print(
+        f"  per card, {what}: theory 2N {theory[0]:,.1f} MiB; measured window saving "
+        + ", ".join(f"{v:,.1f}" for v in scaled)
+        + " MiB; global-peak saving "
+        + ", ".join(f"{v:,.1f}" for v in glob)
+        + " MiB"
+    )
     if seed is None:
         print("  the seed made no pipeline-parallel run: zrw's saving against the theory only")
     elif r["tiny"]:
         print(f"  (tiny shapes: not comparable with the seed's {seed:,.2f} MiB)")
     else:
-        print(f"  the seed measured {seed:,.2f} MiB per card ({r['seed']['before_mib']:,.2f} -> "
-              f"{r['seed']['after_mib']:,.2f}); zrw's window saving vs the seed: "
-              + ", ".join(f"{100 * (v / seed - 1):+.2f}%" for v in scaled))
+        print(
+            f"  the seed measured {seed:,.2f} MiB per card ({r['seed']['before_mib']:,.2f} -> "
+            f"{r['seed']['after_mib']:,.2f}); zrw's window saving vs the seed: "
+            + ", ".join(f"{100 * (v / seed - 1):+.2f}%" for v in scaled)
+        )
     e = r.get("moe_explanation")
     if e:
-        print(f"  why not the seed's 848 MiB: with these shapes attention is "
-              f"{e['attention_per_layer'] / 1e6:.2f} M weights per layer and one expert "
-              f"{e['expert'] / 1e6:.2f} M; 2 layers with 8 experts per card give "
-              f"{e['8_experts_attention_tp2_mib']:,.1f} MiB with attention at TP=2 (this run) and "
-              f"{e['8_experts_attention_replicated_mib']:,.1f} MiB with attention replicated; "
-              f"848 MiB would be {e['seed_saving_as_weights'] / 1e6:.1f} M BF16 weights, i.e. "
-              f"{e['experts_per_layer_for_seed_attention_replicated']:.1f} experts per layer "
-              f"(not a whole number; the released model's 128 experts over EP=2, 64 per card, "
-              f"would give {e['64_experts_attention_replicated_mib']:,.1f} MiB). The seed's "
-              "exact config is not recoverable from its text; zrw's saving equals the theory "
-              "for the config it ran")
+        print(
+            f"  why not the seed's 848 MiB: with these shapes attention is "
+            f"{e['attention_per_layer'] / 1e6:.2f} M weights per layer and one expert "
+            f"{e['expert'] / 1e6:.2f} M; 2 layers with 8 experts per card give "
+            f"{e['8_experts_attention_tp2_mib']:,.1f} MiB with attention at TP=2 (this run) and "
+            f"{e['8_experts_attention_replicated_mib']:,.1f} MiB with attention replicated; "
+            f"848 MiB would be {e['seed_saving_as_weights'] / 1e6:.1f} M BF16 weights, i.e. "
+            f"{e['experts_per_layer_for_seed_attention_replicated']:.1f} experts per layer "
+            f"(not a whole number; the released model's 128 experts over EP=2, 64 per card, "
+            f"would give {e['64_experts_attention_replicated_mib']:,.1f} MiB). The seed's "
+            "exact config is not recoverable from its text; zrw's saving equals the theory "
+            "for the config it ran"
+        )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench seed", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="all",
-                   help="5.1, 5.2, 5.3, pp, 5.2-2d (TP=2 x FSDP2=2), a comma-separated list, "
-                        "or all")
-    p.add_argument("--layers", type=int, default=None,
-                   help="layers to run (default: the seed's, or as many as --mem-gib holds)")
-    p.add_argument("--mem-gib", type=float, default=None,
-                   help="host memory for all ranks together (default: half of MemAvailable)")
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench seed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        default="all",
+        help="5.1, 5.2, 5.3, pp, 5.2-2d (TP=2 x FSDP2=2), a comma-separated list, or all",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers to run (default: the seed's, or as many as --mem-gib holds)",
+    )
+    p.add_argument(
+        "--mem-gib",
+        type=float,
+        default=None,
+        help="host memory for all ranks together (default: half of MemAvailable)",
+    )
     p.add_argument("--tokens", type=int, default=64, help="tokens per micro-batch")
     p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3,
-                   help="steps per mode (at least 2; the figures are the lowest over all but the "
-                        "first)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="steps per mode (at least 2; the figures are the lowest over all but the first)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads shared by the ranks")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the tests' run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -570,21 +729,46 @@ def main(argv=None) -> None:
         if n not in configs:
             p.error(f"--config must be one of {', '.join(configs)} or all, got {n!r}")
     if args.steps < 2:
-        p.error(f"--steps must be at least 2 (the first step's peaks are not measured), got "
-                f"{args.steps}")
-    budget = None if args.mem_gib is None else int(args.mem_gib * 2 ** 30)
-    results = [run_config(n, args.tiny, budget, args.layers, args.tokens, args.micro_batches,
-                          args.steps, args.threads) if n in SEED_RUNS else
-               seed_2d.run(build, shapes("dense", args.tiny), args.tiny,
-                           int(0.5 * mem_available()) if budget is None else budget,
-                           args.layers, args.tokens, args.micro_batches, args.steps,
-                           args.threads, SEED_RUNS["5.2"]["layers"], PROCESS_BYTES, _free_port)
-               for n in names]
+        p.error(
+            f"--steps must be at least 2 (the first step's peaks are not measured), got "
+            f"{args.steps}"
+        )
+    budget = None if args.mem_gib is None else int(args.mem_gib * 2**30)
+    results = [
+        run_config(
+            n,
+            args.tiny,
+            budget,
+            args.layers,
+            args.tokens,
+            args.micro_batches,
+            args.steps,
+            args.threads,
+        )
+        if n in SEED_RUNS
+        else seed_2d.run(
+            build,
+            shapes("dense", args.tiny),
+            args.tiny,
+            int(0.5 * mem_available()) if budget is None else budget,
+            args.layers,
+            args.tokens,
+            args.micro_batches,
+            args.steps,
+            args.threads,
+            SEED_RUNS["5.2"]["layers"],
+            PROCESS_BYTES,
+            _free_port,
+        )
+        for n in names
+    ]
     if args.json:
         print(json.dumps({"configs": results}))
         return
-    print(f"zrw {zrw.__version__}: the seed's zero-redundancy memory table, per rank "
-          f"(CPU, gloo ranks, zrw.memory's counting allocator; kernel ISA {zrw._C.cpu_isa()})")
+    print(
+        f"zrw {zrw.__version__}: the seed's zero-redundancy memory table, per rank "
+        f"(CPU, gloo ranks, zrw.memory's counting allocator; kernel ISA {zrw._C.cpu_isa()})"
+    )
     for r in results:
         if r["config"] == "5.2-2d":
             seed_2d.print_2d(r)

@@ -18,6 +18,7 @@ is made from, except the backward plane its autograd function keeps, which "afte
 With one layer, one is unsharded at a time; with more, FSDP2's implicit prefetch gathers the
 next one while the current computes: two.
 """
+
 from __future__ import annotations
 
 import gc
@@ -35,7 +36,7 @@ import zrw.testing
 from zrw import memory, ops
 from zrw.bench._timing import print_table, typical_step
 
-MIB = 2 ** 20
+MIB = 2**20
 DP, TP = 2, 2
 THEORY_BYTES = 1 - 1 / 32  # per TP-local element of an unsharded layer (see the docstring)
 STATE_BYTES = 10.0  # per TP-local converted weight per rank at the peak of the setup (see plan)
@@ -48,8 +49,9 @@ def tp_local_per_layer(s: dict) -> int:
     return (h * qd + 2 * h * kvd + qd * h + 3 * h * s["ffn"]) // TP
 
 
-def plan_layers(s: dict, budget: int, requested: Optional[int], seed_layers: int,
-                process_bytes: float) -> int:
+def plan_layers(
+    s: dict, budget: int, requested: Optional[int], seed_layers: int, process_bytes: float
+) -> int:
     """Layers to run: as many of the seed's as the host budget holds for all 4 ranks (each rank
     builds its layers in BF16, keeps its TP shard in FP32 while FSDP2 shards it: ~10 bytes per
     TP-local weight at the setup's peak), at least one."""
@@ -90,8 +92,13 @@ def _train(mode: str, build, s: dict, layers: int, args: dict, mesh) -> dict:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
     opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=1e-4), fill="dequant")
-    res: Dict[str, List] = {"window_peaks": [], "optimizer_peaks": [], "losses": [],
-                            "gathered_bytes": []}
+    res: Dict[str, List] = {
+        "window_peaks": [],
+        "optimizer_peaks": [],
+        "losses": [],
+        "gathered_bytes": [],
+    }
+
     def window_end(o, a, k):
         res["window_peaks"].append(memory.peak())
         memory.reset_peak()
@@ -101,8 +108,13 @@ def _train(mode: str, build, s: dict, layers: int, args: dict, mesh) -> dict:
     dp_rank = mesh["dp"].get_local_rank()
     g = torch.Generator().manual_seed(1 + dp_rank)  # each DP rank its data, shared over TP
     vocab = model.config.vocab_size
-    data = [[torch.randint(0, vocab, (1, args["tokens"]), generator=g)
-             for _ in range(args["micro_batches"])] for _ in range(args["steps"])]
+    data = [
+        [
+            torch.randint(0, vocab, (1, args["tokens"]), generator=g)
+            for _ in range(args["micro_batches"])
+        ]
+        for _ in range(args["steps"])
+    ]
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -138,8 +150,13 @@ def _rank(rank: int, build, s: dict, layers: int, args: dict, port: int, out: st
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(max(1, args["threads"] // (DP * TP)))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(DP * TP), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(DP * TP),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=DP * TP)
     memory.install()
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
@@ -156,9 +173,20 @@ def _rank(rank: int, build, s: dict, layers: int, args: dict, port: int, out: st
             json.dump(gathered, f)
 
 
-def run(build, s: dict, tiny: bool, budget: int, layers: Optional[int], tokens: int,
-        micro_batches: int, steps: int, threads: int, seed_layers: int, process_bytes: float,
-        free_port) -> dict:
+def run(
+    build,
+    s: dict,
+    tiny: bool,
+    budget: int,
+    layers: Optional[int],
+    tokens: int,
+    micro_batches: int,
+    steps: int,
+    threads: int,
+    seed_layers: int,
+    process_bytes: float,
+    free_port,
+) -> dict:
     import torch.multiprocessing as mp
 
     n_layers = plan_layers(s, budget, layers, seed_layers, process_bytes)
@@ -166,8 +194,9 @@ def run(build, s: dict, tiny: bool, budget: int, layers: Optional[int], tokens: 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ranks.json")
-        mp.spawn(_rank, args=(build, s, n_layers, args, free_port(), out), nprocs=DP * TP,
-                 join=True)
+        mp.spawn(
+            _rank, args=(build, s, n_layers, args, free_port(), out), nprocs=DP * TP, join=True
+        )
         with open(out) as f:
             ranks = json.load(f)
     per_layer = tp_local_per_layer(s)
@@ -180,50 +209,90 @@ def run(build, s: dict, tiny: bool, budget: int, layers: Optional[int], tokens: 
         sw = typical_step([x - y for x, y in zip(wb, wa)])
         sg = typical_step([x - y for x, y in zip(gb, ga)])
         theory = THEORY_BYTES * per_layer * min(2, n_layers)
-        rows.append({
-            "rank": r["rank"], "tp_local_params_per_layer": per_layer,
-            "layers_unsharded_at_peak": min(2, n_layers),
-            "theory_bytes": theory,
-            "window_peak_before_bytes": wb[sw], "window_peak_after_bytes": wa[sw],
-            "window_saving_bytes": wb[sw] - wa[sw],
-            "window_saving_vs_theory": (wb[sw] - wa[sw]) / theory,
-            "global_peak_before_bytes": gb[sg], "global_peak_after_bytes": ga[sg],
-            "global_saving_bytes": gb[sg] - ga[sg],
-            "gathered_bytes_before": b["gathered_bytes"], "gathered_bytes_after":
-                a["gathered_bytes"],
-            "gathered_ratio": a["gathered_bytes"][-1] / b["gathered_bytes"][-1],
-            "losses_before": b["losses"], "losses_after": a["losses"],
-            "losses_bitwise_equal": b["losses"] == a["losses"],
-        })
-    return {"config": "5.2-2d", "title": "Qwen3-32B shapes, TP=2 x FSDP2=2 on 4 ranks "
-            "(parallelize_module on mesh['tp'], fully_shard on mesh['dp'])",
-            "tiny": tiny, "shapes": s, "world": DP * TP, "dp": DP, "tp": TP,
-            "seed_layers": seed_layers, "layers_run": n_layers, "host_budget_bytes": budget,
-            "tokens_per_micro_batch": tokens, "micro_batches": micro_batches, "steps": steps,
-            "seconds": time.perf_counter() - t0, "ranks": rows}
+        rows.append(
+            {
+                "rank": r["rank"],
+                "tp_local_params_per_layer": per_layer,
+                "layers_unsharded_at_peak": min(2, n_layers),
+                "theory_bytes": theory,
+                "window_peak_before_bytes": wb[sw],
+                "window_peak_after_bytes": wa[sw],
+                "window_saving_bytes": wb[sw] - wa[sw],
+                "window_saving_vs_theory": (wb[sw] - wa[sw]) / theory,
+                "global_peak_before_bytes": gb[sg],
+                "global_peak_after_bytes": ga[sg],
+                "global_saving_bytes": gb[sg] - ga[sg],
+                "gathered_bytes_before": b["gathered_bytes"],
+                "gathered_bytes_after": a["gathered_bytes"],
+                "gathered_ratio": a["gathered_bytes"][-1] / b["gathered_bytes"][-1],
+                "losses_before": b["losses"],
+                "losses_after": a["losses"],
+                "losses_bitwise_equal": b["losses"] == a["losses"],
+            }
+        )
+    return {
+        "config": "5.2-2d",
+        "title": "Qwen3-32B shapes, TP=2 x FSDP2=2 on 4 ranks "
+        "(parallelize_module on mesh['tp'], fully_shard on mesh['dp'])",
+        "tiny": tiny,
+        "shapes": s,
+        "world": DP * TP,
+        "dp": DP,
+        "tp": TP,
+        "seed_layers": seed_layers,
+        "layers_run": n_layers,
+        "host_budget_bytes": budget,
+        "tokens_per_micro_batch": tokens,
+        "micro_batches": micro_batches,
+        "steps": steps,
+        "seconds": time.perf_counter() - t0,
+        "ranks": rows,
+    }
 
 
 def print_2d(r: dict) -> None:
     s = r["shapes"]
     print(f"\n{r['config']}  {r['title']}")
-    print("  shapes: " + ", ".join(f"{k} {v}" for k, v in s.items())
-          + (" (TINY, for tests)" if r["tiny"] else ""))
-    print(f"  {r['layers_run']} layer(s) of the seed's {r['seed_layers']} (host budget "
-          f"{r['host_budget_bytes'] / 2**30:.1f} GiB for 4 ranks); {r['steps']} steps x "
-          f"{r['micro_batches']} micro-batches of {r['tokens_per_micro_batch']} tokens; "
-          f"{r['seconds']:.0f} s. before: FSDP2's BF16 all-gather (the layer quantizes the "
-          "gathered weight); after: zrw's MXFP8 all-gather")
+    print(
+        "  shapes: "
+        + ", ".join(f"{k} {v}" for k, v in s.items())
+        + (" (TINY, for tests)" if r["tiny"] else "")
+    )
+    print(
+        f"  {r['layers_run']} layer(s) of the seed's {r['seed_layers']} (host budget "
+        f"{r['host_budget_bytes'] / 2**30:.1f} GiB for 4 ranks); {r['steps']} steps x "
+        f"{r['micro_batches']} micro-batches of {r['tokens_per_micro_batch']} tokens; "
+        f"{r['seconds']:.0f} s. before: FSDP2's BF16 all-gather (the layer quantizes the "
+        "gathered weight); after: zrw's MXFP8 all-gather"
+    )
     rows = []
     for x in r["ranks"]:
-        rows.append([x["rank"], f"{x['tp_local_params_per_layer']:,}",
-                     f"{x['theory_bytes'] / MIB:,.1f}",
-                     f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
-                     f"{x['window_peak_after_bytes'] / MIB:,.1f}",
-                     f"{x['window_saving_bytes'] / MIB:,.1f}",
-                     f"{100 * x['window_saving_vs_theory']:.1f}%",
-                     f"{x['global_saving_bytes'] / MIB:,.1f}",
-                     f"{x['gathered_ratio']:.3f}x",
-                     "yes" if x["losses_bitwise_equal"] else "NO"])
-    print_table("", ["rank", "TP-local params/layer", "theory MiB", "fwd/bwd peak MiB",
-                     "window saving MiB", "of theory", "global-peak saving MiB",
-                     "all-gather bytes vs BF16", "losses bitwise"], rows)
+        rows.append(
+            [
+                x["rank"],
+                f"{x['tp_local_params_per_layer']:,}",
+                f"{x['theory_bytes'] / MIB:,.1f}",
+                f"{x['window_peak_before_bytes'] / MIB:,.1f} -> "
+                f"{x['window_peak_after_bytes'] / MIB:,.1f}",
+                f"{x['window_saving_bytes'] / MIB:,.1f}",
+                f"{100 * x['window_saving_vs_theory']:.1f}%",
+                f"{x['global_saving_bytes'] / MIB:,.1f}",
+                f"{x['gathered_ratio']:.3f}x",
+                "yes" if x["losses_bitwise_equal"] else "NO",
+            ]
+        )
+    print_table(
+        "",
+        [
+            "rank",
+            "TP-local params/layer",
+            "theory MiB",
+            "fwd/bwd peak MiB",
+            "window saving MiB",
+            "of theory",
+            "global-peak saving MiB",
+            "all-gather bytes vs BF16",
+            "losses bitwise",
+        ],
+        rows,
+    )

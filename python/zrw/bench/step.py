@@ -14,6 +14,7 @@ and, measured with zrw.memory's counting allocator in the last step, it reports 
 AdamW runs both ways torch offers: foreach=False (one tensor at a time: CPU's default) and
 foreach=True (multi-tensor, the GPU/NPU default), whose temporaries are whole-model lists.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,9 @@ def measure(mode, recipe, dim, layers, tokens, micro, steps, foreach) -> dict:
     release, keep = MODES[mode]
     torch.manual_seed(0)
     rcp = get_recipe(recipe)
-    ws = [torch.nn.Parameter(torch.randn(dim, dim, dtype=BF16) / dim ** 0.5)
-          for _ in range(layers)]
+    ws = [torch.nn.Parameter(torch.randn(dim, dim, dtype=BF16) / dim**0.5) for _ in range(layers)]
     n = sum(w.numel() for w in ws)
-    opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3, foreach=foreach,
-                               keep_released=keep))
+    opt = attach(MasterWeights(torch.optim.AdamW, ws, lr=1e-3, foreach=foreach, keep_released=keep))
     marks = {}
 
     def step_pre(o, a, k):
@@ -90,8 +89,14 @@ def measure(mode, recipe, dim, layers, tokens, micro, steps, foreach) -> dict:
 def run(recipe="mxfp8", dim=1024, layers=8, tokens=32, micro=2, steps=2) -> dict:
     memory.install()  # before the weights exist: every byte below is counted
     cache.cache_clear()
-    out = {"recipe": recipe, "dim": dim, "layers": layers, "tokens": tokens, "micro": micro,
-           "foreach": {}}
+    out = {
+        "recipe": recipe,
+        "dim": dim,
+        "layers": layers,
+        "tokens": tokens,
+        "micro": micro,
+        "foreach": {},
+    }
     for foreach in (False, True):
         runs = {m: measure(m, recipe, dim, layers, tokens, micro, steps, foreach) for m in MODES}
         n = runs["cache"]["n"]
@@ -102,8 +107,11 @@ def run(recipe="mxfp8", dim=1024, layers=8, tokens=32, micro=2, steps=2) -> dict
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m zrw.bench step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m zrw.bench step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--recipe", choices=list(cache.RECIPES), default="mxfp8")
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
@@ -116,19 +124,41 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(r))
         return
-    print(f"zrw {zrw.__version__}: optimizer-step memory of MasterWeights(AdamW), {a.recipe}, "
-          f"{a.layers} weights of {a.dim}x{a.dim} (N = {a.layers * a.dim * a.dim} elements), "
-          f"{a.micro} x {a.tokens} tokens; bytes per converted element (x N)")
+    print(
+        f"zrw {zrw.__version__}: optimizer-step memory of MasterWeights(AdamW), {a.recipe}, "
+        f"{a.layers} weights of {a.dim}x{a.dim} (N = {a.layers * a.dim * a.dim} elements), "
+        f"{a.micro} x {a.tokens} tokens; bytes per converted element (x N)"
+    )
     for foreach, runs in r["foreach"].items():
-        rows = [[m, x["start_per_n"], x["peak_per_n"], x["inner_temporaries_per_n"],
-                 x["peak_saving_vs_cache_per_n"]] for m, x in runs.items()]
-        print_table(f"\nAdamW foreach={foreach}",
-                    ["mode", "live at step start", "step peak", "AdamW temporaries",
-                     "peak saving vs cache"], rows)
-    print("  (live at step start: BF16 weights 2 (not when released), FP8 copies ~1.06 (mxfp8) "
-          "or ~1.03 (32x32), BF16 grads 2, FP32 masters 4, AdamW moments 8)")
+        rows = [
+            [
+                m,
+                x["start_per_n"],
+                x["peak_per_n"],
+                x["inner_temporaries_per_n"],
+                x["peak_saving_vs_cache_per_n"],
+            ]
+            for m, x in runs.items()
+        ]
+        print_table(
+            f"\nAdamW foreach={foreach}",
+            [
+                "mode",
+                "live at step start",
+                "step peak",
+                "AdamW temporaries",
+                "peak saving vs cache",
+            ],
+            rows,
+        )
+    print(
+        "  (live at step start: BF16 weights 2 (not when released), FP8 copies ~1.06 (mxfp8) "
+        "or ~1.03 (32x32), BF16 grads 2, FP32 masters 4, AdamW moments 8)"
+    )
     ws = r["foreach"]["False"]["cache"]
-    print(f"  (and mx_matmul's CPU tile workspace, the same in every mode: "
-          f"{ws['matmul_workspace_bytes'] / 2 ** 20:.2f} MiB = "
-          f"{ws['matmul_workspace_per_n']:.2f} N here; a constant of at most 40 MiB, not a "
-          f"per-element cost, freed by zrw.ops.free_matmul_workspace())")
+    print(
+        f"  (and mx_matmul's CPU tile workspace, the same in every mode: "
+        f"{ws['matmul_workspace_bytes'] / 2**20:.2f} MiB = "
+        f"{ws['matmul_workspace_per_n']:.2f} N here; a constant of at most 40 MiB, not a "
+        f"per-element cost, freed by zrw.ops.free_matmul_workspace())"
+    )

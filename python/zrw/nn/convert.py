@@ -1,4 +1,5 @@
 """zrw.convert: swap a model's linear layers and fused MoE experts for their MXFP8 versions."""
+
 from __future__ import annotations
 
 import warnings
@@ -32,9 +33,11 @@ class ConvertSummary:
     skipped: Dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"zrw.convert ({self.recipe}): {len(self.converted)} modules converted, "
-                 f"{self.parameters} weights, {self.release_bytes / 2**20:.2f} MiB of BF16 "
-                 f"weights released per step"]
+        lines = [
+            f"zrw.convert ({self.recipe}): {len(self.converted)} modules converted, "
+            f"{self.parameters} weights, {self.release_bytes / 2**20:.2f} MiB of BF16 "
+            f"weights released per step"
+        ]
         for name, why in self.skipped.items():
             lines.append(f"  kept {name}: {why}")
         return "\n".join(lines)
@@ -52,8 +55,11 @@ def _tied_weights(model: nn.Module) -> Dict[int, List[str]]:
 
 def _releasable(p: torch.Tensor) -> bool:
     local = local_tensor(p)  # a sharded weight releases its local shard
-    return (p.requires_grad and local.storage_offset() == 0
-            and local.untyped_storage().nbytes() == local.numel() * local.element_size())
+    return (
+        p.requires_grad
+        and local.storage_offset() == 0
+        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    )
 
 
 def _check_not_engine_wrapped(name: str, module: nn.Module) -> None:
@@ -68,12 +74,18 @@ def _check_not_engine_wrapped(name: str, module: nn.Module) -> None:
             "from_pretrained without distributed_config), call zrw.convert, then apply the "
             "plan (zrw.parallel.apply_plan(model, DistributedConfig(...)), which runs "
             "transformers' own engine) and zrw.parallel.prepare(model). (With PyTorch's "
-            "parallelize_module either order works.)")
+            "parallelize_module either order works.)"
+        )
 
 
-def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool = True,
-            skip: Optional[Iterable[str]] = None, release_frozen: bool = False,
-            main_grad: bool = False) -> ConvertSummary:
+def convert(
+    model: nn.Module,
+    recipe: str | QuantRecipe = "mxfp8",
+    release: bool = True,
+    skip: Optional[Iterable[str]] = None,
+    release_frozen: bool = False,
+    main_grad: bool = False,
+) -> ConvertSummary:
     """Replace, in place, every nn.Linear and every fused-experts module (Hugging Face's
     3-D gate_up_proj / down_proj layout) whose qualified name contains none of `skip`
     (default: lm_head and embeddings stay in high precision). `skip` is an iterable of name
@@ -98,31 +110,41 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
     if not isinstance(model, nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, (str, QuantRecipe)):
-        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name "
-                        f"(one of {known_recipes()}), got {type(recipe).__name__}")
+        raise TypeError(
+            f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name "
+            f"(one of {known_recipes()}), got {type(recipe).__name__}"
+        )
     if isinstance(recipe, str) and recipe not in known_recipes():
-        raise ValueError(f"{op}: recipe must be a zrw.QuantRecipe or one of {known_recipes()}, "
-                         f"got {recipe!r}")
-    for arg, value in (("release", release), ("release_frozen", release_frozen),
-                       ("main_grad", main_grad)):
+        raise ValueError(
+            f"{op}: recipe must be a zrw.QuantRecipe or one of {known_recipes()}, got {recipe!r}"
+        )
+    for arg, value in (
+        ("release", release),
+        ("release_frozen", release_frozen),
+        ("main_grad", main_grad),
+    ):
         if not isinstance(value, bool):
-            raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__} "
-                            f"({value!r})")
+            raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__} ({value!r})")
     if skip is None:
         skip = DEFAULT_SKIP
     elif isinstance(skip, str):
         skip = (skip,)  # one name part, not its characters
     elif isinstance(skip, (bytes, bytearray)) or not isinstance(skip, Iterable):
-        raise TypeError(f"{op}: skip must be a str or an iterable of str (name parts of the "
-                        f"modules to keep in high precision), got {type(skip).__name__}")
+        raise TypeError(
+            f"{op}: skip must be a str or an iterable of str (name parts of the "
+            f"modules to keep in high precision), got {type(skip).__name__}"
+        )
     skip = tuple(skip)
     for i, s in enumerate(skip):
         if not isinstance(s, str):
-            raise TypeError(f"{op}: skip must hold str name parts, got skip[{i}] = {s!r} "
-                            f"({type(s).__name__})")
+            raise TypeError(
+                f"{op}: skip must hold str name parts, got skip[{i}] = {s!r} ({type(s).__name__})"
+            )
         if not s:
-            raise ValueError(f"{op}: skip[{i}] is the empty string, which every module name "
-                             "contains: it would skip every module")
+            raise ValueError(
+                f"{op}: skip[{i}] is the empty string, which every module name "
+                "contains: it would skip every module"
+            )
     rcp = get_recipe(recipe)
     summary = ConvertSummary(recipe=rcp.name)
     tied = _tied_weights(model)
@@ -162,21 +184,27 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
             shared = [w for _, w in weights if id(w) in tied]
             layer_release = release and not shared
             if shared:
-                summary.skipped[name] = ("converted, never released: tied weight shared with "
-                                         + ", ".join(tied[id(shared[0])]))
+                summary.skipped[name] = (
+                    "converted, never released: tied weight shared with "
+                    + ", ".join(tied[id(shared[0])])
+                )
             if is_linear:
-                new = MXLinear.from_linear(child, rcp, layer_release, release_frozen, main_grad,
-                                           name=f"{name}.weight")
+                new = MXLinear.from_linear(
+                    child, rcp, layer_release, release_frozen, main_grad, name=f"{name}.weight"
+                )
             else:
-                new = MXFusedExperts(child, rcp, layer_release, release_frozen, name=name,
-                                     main_grad=main_grad)
+                new = MXFusedExperts(
+                    child, rcp, layer_release, release_frozen, name=name, main_grad=main_grad
+                )
             setattr(parent, cname, new)
             summary.converted.append(name)
             for pname, w in weights:
                 summary.parameters += 1
                 local = local_tensor(w)
-                if layer_release and (_releasable(w) or (release_frozen and not w.requires_grad
-                                                         and local.storage_offset() == 0)):
+                if layer_release and (
+                    _releasable(w)
+                    or (release_frozen and not w.requires_grad and local.storage_offset() == 0)
+                ):
                     summary.release_bytes += local.numel() * local.element_size()
                     summary.released_weights.append(f"{name}.{pname}")
 
@@ -185,15 +213,20 @@ def convert(model: nn.Module, recipe: str | QuantRecipe = "mxfp8", release: bool
         shown = ", ".join(unconverted_experts[:4])
         more = f" and {len(unconverted_experts) - 4} more" if len(unconverted_experts) > 4 else ""
         for name in unconverted_experts:
-            summary.skipped[name] = ("converted, never released: PEFT's LoRA on its weights "
-                                     "(target_parameters) rebuilds them at every forward")
+            summary.skipped[name] = (
+                "converted, never released: PEFT's LoRA on its weights "
+                "(target_parameters) rebuilds them at every forward"
+            )
         warnings.warn(
             f"zrw.convert: {len(unconverted_experts)} fused-experts module(s) under PEFT's LoRA "
             f"on parameters (target_parameters): {shown}{more}. PEFT rebuilds their weight "
             "stacks as W + BA at every forward, so zrw quantizes that sum at each use and "
             "cannot release the BF16 stacks (no saving on them; numerics as without release). "
             "For the saving, target the experts' linear modules, or train the experts without "
-            "LoRA on their parameters", UserWarning, stacklevel=2)
+            "LoRA on their parameters",
+            UserWarning,
+            stacklevel=2,
+        )
     _install_root_hooks(model)
     return summary
 
@@ -205,9 +238,11 @@ def _install_root_hooks(model: nn.Module) -> None:
     rec = module_record(model)
     if rec.root_hooks is not None:
         return
-    rec.root_hooks = (model.register_load_state_dict_pre_hook(_validate_load),
-                      model.register_forward_pre_hook(_tie_check_pre_hook),
-                      model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook))
+    rec.root_hooks = (
+        model.register_load_state_dict_pre_hook(_validate_load),
+        model.register_forward_pre_hook(_tie_check_pre_hook),
+        model.register_state_dict_pre_hook(_tie_check_state_dict_pre_hook),
+    )
 
 
 @torch._dynamo.disable(reason=cache.EAGER_ONLY)
@@ -260,8 +295,9 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
     return tied
 
 
-def _validate_load(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                   unexpected_keys, error_msgs) -> None:
+def _validate_load(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     """load_state_dict of a converted model is all or nothing: every value is checked against
     its parameter or buffer (a tensor, of the same shape), as torch checks each when it copies
     it, but before the first one is written, so that a load that fails changes nothing (torch
@@ -271,17 +307,21 @@ def _validate_load(module, state_dict, prefix, local_metadata, strict, missing_k
     for mname, mod in module.named_modules():
         base = f"{prefix}{mname}." if mname else prefix
         tensors = list(mod._parameters.items()) + [
-            (n, b) for n, b in mod._buffers.items()
-            if n not in getattr(mod, "_non_persistent_buffers_set", ())]
+            (n, b)
+            for n, b in mod._buffers.items()
+            if n not in getattr(mod, "_non_persistent_buffers_set", ())
+        ]
         for name, param in tensors:
             key = base + name
             if param is None or key not in state_dict:
                 continue
             value = state_dict[key]
             if not torch.overrides.is_tensor_like(value):
-                errors.append(f'While copying the parameter named "{key}", expected '
-                              "torch.Tensor or Tensor-like object from checkpoint but "
-                              f"received {type(value)}")
+                errors.append(
+                    f'While copying the parameter named "{key}", expected '
+                    "torch.Tensor or Tensor-like object from checkpoint but "
+                    f"received {type(value)}"
+                )
                 continue
             if isinstance(param, nn.parameter.UninitializedParameter):
                 continue
@@ -289,10 +329,13 @@ def _validate_load(module, state_dict, prefix, local_metadata, strict, missing_k
             if not shape and tuple(value.shape) == (1,):
                 continue  # torch accepts a 1-element 1-d value for a 0-d parameter
             if tuple(value.shape) != shape:
-                errors.append(f"size mismatch for {key}: copying a param with shape "
-                              f"{tuple(value.shape)} from checkpoint, the shape in current "
-                              f"model is {torch.Size(shape)}.")
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(value.shape)} from checkpoint, the shape in current "
+                    f"model is {torch.Size(shape)}."
+                )
     if errors:
         raise RuntimeError(
             f"Error(s) in loading state_dict for {type(module).__name__} (zrw: checked before "
-            "any value was written; the model is unchanged):\n\t" + "\n\t".join(errors))
+            "any value was written; the model is unchanged):\n\t" + "\n\t".join(errors)
+        )

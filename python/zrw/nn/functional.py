@@ -12,6 +12,7 @@ activation is quantized along both axes in one read (mx_quantize_dual); the func
 FP8 M-plane, not the BF16 activation. With main_grad the FP32 weight gradient accumulates in
 the parameter's `main_grad` (zrw.weights.accumulate_main_grad) instead of `.grad`.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,9 +58,19 @@ _matmul = torch.ops.zrw.mx_matmul.default
 
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d: Tensor, weight: Tensor, bias: Optional[Tensor], w_fwd: Tensor,
-                w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor, elem_dtype: torch.dtype,
-                scale_mode: str, main_grad_owner: Optional[Tensor]):
+    def forward(
+        ctx,
+        x2d: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        w_fwd: Tensor,
+        w_fwd_scale: Tensor,
+        w_bwd: Tensor,
+        w_bwd_scale: Tensor,
+        elem_dtype: torch.dtype,
+        scale_mode: str,
+        main_grad_owner: Optional[Tensor],
+    ):
         with _below_autograd():
             qx_k, sx_k, qx_m, sx_m = _quantize_dual(x2d, elem_dtype, scale_mode)
             y = _matmul(qx_k, sx_k, w_fwd, w_fwd_scale, x2d.dtype)
@@ -100,10 +111,19 @@ class _MXLinearFn(torch.autograd.Function):
 
 class _MXGroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, counts: Sequence[int], w_fwd: Tensor,
-                w_fwd_scale: Tensor, w_bwd: Tensor, w_bwd_scale: Tensor,
-                elem_dtype: torch.dtype, scale_mode: str,
-                main_grad_owner: Optional[Tensor] = None):
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        counts: Sequence[int],
+        w_fwd: Tensor,
+        w_fwd_scale: Tensor,
+        w_bwd: Tensor,
+        w_bwd_scale: Tensor,
+        elem_dtype: torch.dtype,
+        scale_mode: str,
+        main_grad_owner: Optional[Tensor] = None,
+    ):
         E, N, K = weight.shape
         y = x.new_empty(x.shape[0], N)
         saved: List[Tensor] = []
@@ -112,9 +132,9 @@ class _MXGroupedFn(torch.autograd.Function):
             for e, c in enumerate(counts):
                 if c == 0:
                     continue
-                xe = x[off:off + c]
+                xe = x[off : off + c]
                 qk, sk, qm, sm = _quantize_dual(xe, elem_dtype, scale_mode)
-                y[off:off + c] = _matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
+                y[off : off + c] = _matmul(qk, sk, w_fwd[e], w_fwd_scale[e], x.dtype)
                 saved += [qm, sm]
                 off += c
         ctx.gathered = weight if w_bwd is None else None
@@ -143,11 +163,11 @@ class _MXGroupedFn(torch.autograd.Function):
             for e, c in enumerate(ctx.counts):
                 if c == 0:
                     continue
-                qn, sn, qm, sm = _quantize_dual(dy[off:off + c], ctx.elem_dtype,
-                                                      ctx.scale_mode)
+                qn, sn, qm, sm = _quantize_dual(dy[off : off + c], ctx.elem_dtype, ctx.scale_mode)
                 if dx is not None:
-                    dx[off:off + c] = _matmul(qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(),
-                                                    ctx.x_dtype)
+                    dx[off : off + c] = _matmul(
+                        qn, sn, w_bwd[e].t(), w_bwd_scale[e].t(), ctx.x_dtype
+                    )
                 if dw is not None:
                     qx_m, sx_m = saved[i], saved[i + 1]
                     dw[e] = _matmul(qm.t(), sm.t(), qx_m.t(), sx_m.t(), dw_dtype)
@@ -161,8 +181,10 @@ class _MXGroupedFn(torch.autograd.Function):
 
 # ---- argument checks -----------------------------------------------------------------------
 
-def check_layer_args(op: str, x, x_arg: str, weight, weight_shape: str, recipe,
-                     name: Optional[str]) -> QuantRecipe:
+
+def check_layer_args(
+    op: str, x, x_arg: str, weight, weight_shape: str, recipe, name: Optional[str]
+) -> QuantRecipe:
     """The arguments every zrw layer shares, each refused with an error naming it
     (docs/design.md §8): TypeError for a wrong type or dtype, ValueError for a wrong rank.
     `weight_shape` is the weight's layout, "(N, K)" or "(E, N, K)"; its rank is the number of its
@@ -174,17 +196,21 @@ def check_layer_args(op: str, x, x_arg: str, weight, weight_shape: str, recipe,
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     elif not isinstance(recipe, QuantRecipe):
-        raise TypeError(f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name, "
-                        f"got {type(recipe).__name__}")
+        raise TypeError(
+            f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name, "
+            f"got {type(recipe).__name__}"
+        )
     rank = weight_shape.count(",") + 1
     if weight.dim() != rank:
         shown = cache.weight_name(weight) if name is None else name
         label = f"weight '{shown}'" if shown else "weight"
-        raise ValueError(f"{op}: {label} must be {rank}-d {weight_shape}, got shape "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"{op}: {label} must be {rank}-d {weight_shape}, got shape {tuple(weight.shape)}"
+        )
     if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{op}: {x_arg} must be torch.bfloat16, torch.float16 or torch.float32, "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{op}: {x_arg} must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}"
+        )
     return recipe
 
 
@@ -198,23 +224,30 @@ def checked_counts(op: str, counts) -> List[int]:
     ValueError, each naming counts (and the entry)."""
     if isinstance(counts, Tensor):
         if not _is_integer_dtype(counts.dtype):
-            raise TypeError(f"{op}: counts must be ints (a sequence or a 1-d integer tensor), got "
-                            f"a tensor of {counts.dtype}")
+            raise TypeError(
+                f"{op}: counts must be ints (a sequence or a 1-d integer tensor), got "
+                f"a tensor of {counts.dtype}"
+            )
         if counts.dim() != 1:
-            raise ValueError(f"{op}: counts must be a 1-d tensor (one count per expert), got "
-                             f"shape {tuple(counts.shape)}")
+            raise ValueError(
+                f"{op}: counts must be a 1-d tensor (one count per expert), got "
+                f"shape {tuple(counts.shape)}"
+            )
         values = counts.tolist()
     else:
         if counts is None or isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
-            raise TypeError(f"{op}: counts must be a sequence of ints or a 1-d integer tensor, "
-                            f"got {type(counts).__name__}")
+            raise TypeError(
+                f"{op}: counts must be a sequence of ints or a 1-d integer tensor, "
+                f"got {type(counts).__name__}"
+            )
         values = []
         for e, c in enumerate(counts):
             if isinstance(c, Tensor) and c.dim() == 0 and _is_integer_dtype(c.dtype):
                 c = int(c)
             elif not isinstance(c, numbers.Integral) or isinstance(c, bool):
-                raise TypeError(f"{op}: counts must be ints, got counts[{e}] = {c!r} "
-                                f"({type(c).__name__})")
+                raise TypeError(
+                    f"{op}: counts must be ints, got counts[{e}] = {c!r} ({type(c).__name__})"
+                )
             values.append(int(c))
     for e, c in enumerate(values):
         if c < 0:
@@ -224,9 +257,17 @@ def checked_counts(op: str, counts) -> List[int]:
 
 # ---- linear ----------------------------------------------------------------------------------
 
-def mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
-              release: bool = True, release_frozen: bool = False, name: Optional[str] = None,
-              main_grad: bool = False) -> Tensor:
+
+def mx_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    recipe: QuantRecipe,
+    release: bool = True,
+    release_frozen: bool = False,
+    name: Optional[str] = None,
+    main_grad: bool = False,
+) -> Tensor:
     """Functional MXLinear: y = x @ W.T + b on MXFP8 operands; x (..., K) bf16, fp16 or fp32,
     W (N, K), bias (N,) or None. `recipe` is a QuantRecipe or a registered name. `name` (for
     messages) defaults to the weight's own (zrw.cache.set_weight_name). A DTensor weight (tensor
@@ -242,28 +283,41 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPoli
     policy = check_policy("mx_linear", policy)
     check_layer_args("mx_linear", x, "input", weight, "(N, K)", policy.recipe, policy.name)
     if x.dim() < 1:
-        raise ValueError("mx_linear: input must have at least one dimension (..., K), got a 0-d "
-                         "tensor")
+        raise ValueError(
+            "mx_linear: input must have at least one dimension (..., K), got a 0-d tensor"
+        )
     if bias is not None:
         if not isinstance(bias, Tensor):
-            raise TypeError(f"mx_linear: bias must be a torch.Tensor or None, got "
-                            f"{type(bias).__name__}")
+            raise TypeError(
+                f"mx_linear: bias must be a torch.Tensor or None, got {type(bias).__name__}"
+            )
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"mx_linear: bias must have shape ({weight.shape[0]},) (the "
-                             f"weight's out_features), got {tuple(bias.shape)}")
+            raise ValueError(
+                f"mx_linear: bias must have shape ({weight.shape[0]},) (the "
+                f"weight's out_features), got {tuple(bias.shape)}"
+            )
     if x.shape[-1] != weight.shape[-1]:
         name = cache.weight_name(weight) if policy.name is None else policy.name
-        raise ValueError(f"mx_linear: input's last dim must equal weight '{name}''s in_features "
-                         f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"mx_linear: input's last dim must equal weight '{name}''s in_features "
+            f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}"
+        )
     if is_dtensor(weight):
         return _dtensor_linear(x, weight, bias, policy)
-    return apply_mx_linear(x, weight, bias, weight_planes(weight, policy), policy.recipe,
-                           policy.main_grad)
+    return apply_mx_linear(
+        x, weight, bias, weight_planes(weight, policy), policy.recipe, policy.main_grad
+    )
 
 
-def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: MXWeight,
-                    recipe: QuantRecipe, main_grad: bool = False,
-                    main_grad_owner: Optional[Tensor] = None) -> Tensor:
+def apply_mx_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    q: MXWeight,
+    recipe: QuantRecipe,
+    main_grad: bool = False,
+    main_grad_owner: Optional[Tensor] = None,
+) -> Tensor:
     """The MXLinear GEMMs with the weight's planes `q` already looked up; `weight` is the
     tensor autograd hands the weight gradient (for a sharded weight, the view of its local
     shard) and `main_grad_owner` the parameter that accumulates main_grad (default: the
@@ -275,14 +329,31 @@ def apply_mx_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], q: MXWeig
     x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # also with no input features
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    y = _MXLinearFn.apply(x2d, weight, bias, q.fwd.data, q.fwd.scale, q.bwd.data, q.bwd.scale,
-                          recipe.elem_dtype, recipe.scale_mode, main_grad_owner)
+    y = _MXLinearFn.apply(
+        x2d,
+        weight,
+        bias,
+        q.fwd.data,
+        q.fwd.scale,
+        q.bwd.data,
+        q.bwd.scale,
+        recipe.elem_dtype,
+        recipe.scale_mode,
+        main_grad_owner,
+    )
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: QuantRecipe,
-                   release: bool, release_frozen: bool, name: Optional[str],
-                   main_grad: bool) -> Tensor:
+def dtensor_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    recipe: QuantRecipe,
+    release: bool,
+    release_frozen: bool,
+    name: Optional[str],
+    main_grad: bool,
+) -> Tensor:
     """y = x @ W.T (+ b) for a DTensor weight W (N, K), on the rank's local shard, with the
     placements PyTorch's DTensor engine gives F.linear:
       W Shard(0) (colwise):  x Replicate -> y Shard(-1); x's gradient is a partial sum
@@ -292,12 +363,14 @@ def dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Qu
     x is redistributed to the placement it needs (the engine's collective) when it arrives
     otherwise. Returns a DTensor. (Also zrw.parallel.dtensor_linear.)"""
     check_recipe("zrw.nn.functional.dtensor_linear", recipe)
-    return _dtensor_linear(x, weight, bias,
-                           WeightPolicy(recipe, release, release_frozen, main_grad, name))
+    return _dtensor_linear(
+        x, weight, bias, WeightPolicy(recipe, release, release_frozen, main_grad, name)
+    )
 
 
-def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                    policy: WeightPolicy) -> Tensor:
+def _dtensor_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPolicy
+) -> Tensor:
     """dtensor_linear with the weight's policy as one object."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -320,18 +393,22 @@ def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             f"mx_linear: weight '{shown}' is a DTensor ({weight.placements} on a mesh of "
             f"{weight.device_mesh.size()}), so the input must be a DTensor on the same mesh "
             f"(the parallel style prepares it), got a plain {type(x).__name__} of shape "
-            f"{tuple(x.shape)}")
+            f"{tuple(x.shape)}"
+        )
     mesh = weight.device_mesh
     if x.device_mesh != mesh:
-        raise ValueError(f"mx_linear: the input of weight '{shown}' lives on another device "
-                         f"mesh ({x.device_mesh}) than the weight ({mesh})")
+        raise ValueError(
+            f"mx_linear: the input of weight '{shown}' lives on another device "
+            f"mesh ({x.device_mesh}) than the weight ({mesh})"
+        )
     (wp,) = weight.placements
     wdim, factor = shard_info(wp)
     if factor != 1:
         raise ValueError(
             f"mx_linear: weight '{shown}' is sharded {wp} (packed parts): such a weight reaches "
             "zrw as its local shard through the engine style that packed it (transformers' "
-            "packed_colwise), never as a DTensor inside forward")
+            "packed_colwise), never as a DTensor inside forward"
+        )
     if wdim is not None:
         wdim %= weight.dim()
     last = x.dim() - 1
@@ -341,12 +418,14 @@ def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         if xp.is_partial() or (xp.is_shard() and xp.dim % x.dim() == last):
             raise ValueError(
                 f"mx_linear: weight '{shown}' is replicated, so its input must not be "
-                f"sharded along in_features nor partial, got {x.placements}")
+                f"sharded along in_features nor partial, got {x.placements}"
+            )
         if xp.is_shard():
             raise ValueError(
                 f"mx_linear: weight '{shown}' is replicated and its input sharded {xp}: "
                 "the weight gradient would be a partial sum over ranks; shard the weight "
-                "(ColwiseParallel / RowwiseParallel) or replicate the input")
+                "(ColwiseParallel / RowwiseParallel) or replicate the input"
+            )
         want, out = Replicate(), Replicate()
     elif wdim == 0:  # Shard(0): out_features
         want, out, x_grad = Replicate(), Shard(last), Partial()
@@ -368,12 +447,14 @@ def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
             b_after = bias  # replicated: added once, after the engine's reduction
         else:
             b_local = bias.to_local() if is_dtensor(bias) else bias
-    y_local = apply_mx_linear(x_local, w_local, b_local, q, recipe, main_grad,
-                              main_grad_owner=weight)
+    y_local = apply_mx_linear(
+        x_local, w_local, b_local, q, recipe, main_grad, main_grad_owner=weight
+    )
     shape = (*x.shape[:-1], weight.shape[0])
     stride = torch.empty(shape, device="meta").stride()
-    y = _dtensor_cls().from_local(y_local, mesh, [out], run_check=False, shape=torch.Size(shape),
-                                  stride=stride)
+    y = _dtensor_cls().from_local(
+        y_local, mesh, [out], run_check=False, shape=torch.Size(shape), stride=stride
+    )
     if b_after is not None:
         y = y + b_after
     return y
@@ -381,9 +462,17 @@ def _dtensor_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 # ---- grouped (experts) -----------------------------------------------------------------------
 
-def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: QuantRecipe,
-                      release: bool = True, release_frozen: bool = False,
-                      name: Optional[str] = None, main_grad: bool = False) -> Tensor:
+
+def mx_grouped_linear(
+    x: Tensor,
+    weight: Tensor,
+    counts: Sequence[int],
+    recipe: QuantRecipe,
+    release: bool = True,
+    release_frozen: bool = False,
+    name: Optional[str] = None,
+    main_grad: bool = False,
+) -> Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T on MXFP8 operands.
 
     x: (T, K) bf16, fp16 or fp32, with its rows grouped by expert, counts[e] >= 0 rows for expert
@@ -394,12 +483,14 @@ def mx_grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int], recipe: 
     main_grad).
     """
     recipe = check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", recipe, name)
-    return grouped_linear(x, weight, counts,
-                          WeightPolicy(recipe, release, release_frozen, main_grad, name))
+    return grouped_linear(
+        x, weight, counts, WeightPolicy(recipe, release, release_frozen, main_grad, name)
+    )
 
 
-def grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int],
-                   policy: WeightPolicy) -> Tensor:
+def grouped_linear(
+    x: Tensor, weight: Tensor, counts: Sequence[int], policy: WeightPolicy
+) -> Tensor:
     """mx_grouped_linear with the stack's policy as one object: what the expert layers' forward
     calls with their cached `policy`."""
     policy = check_policy("mx_grouped_linear", policy)
@@ -408,24 +499,39 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Sequence[int],
     check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
     shown = cache.weight_name(weight) if name is None else name
     if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-d (T, K), rows grouped by expert, got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"{op}: x must be 2-d (T, K), rows grouped by expert, got shape {tuple(x.shape)}"
+        )
     counts = checked_counts(op, counts)
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"mx_grouped_linear: counts must have one entry per expert "
-                         f"({weight.shape[0]}) summing to the {x.shape[0]} rows of x, got "
-                         f"{len(counts)} entries summing to {sum(counts)}")
+        raise ValueError(
+            f"mx_grouped_linear: counts must have one entry per expert "
+            f"({weight.shape[0]}) summing to the {x.shape[0]} rows of x, got "
+            f"{len(counts)} entries summing to {sum(counts)}"
+        )
     if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
-                         f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
+            f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}"
+        )
     if is_dtensor(weight):
         raise TypeError(
             f"{op}: expert stack '{shown}' is a DTensor ({weight.placements}) inside forward: "
             "zrw runs an expert stack on the local shard the parallel engine hands its forward "
             "(transformers' tp_plan / ep_plan: moe_tp_experts, ep_dispatch_experts); a DTensor "
-            "expert stack without such an engine style is not supported")
+            "expert stack without such an engine style is not supported"
+        )
     q = weight_planes(weight, policy)
     owner = _main_grad_owner(weight) if main_grad else None
-    return _MXGroupedFn.apply(x.contiguous(), weight, counts, q.fwd.data, q.fwd.scale,
-                              q.bwd.data, q.bwd.scale, recipe.elem_dtype, recipe.scale_mode,
-                              owner)
+    return _MXGroupedFn.apply(
+        x.contiguous(),
+        weight,
+        counts,
+        q.fwd.data,
+        q.fwd.scale,
+        q.bwd.data,
+        q.bwd.scale,
+        recipe.elem_dtype,
+        recipe.scale_mode,
+        owner,
+    )

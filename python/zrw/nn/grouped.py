@@ -7,6 +7,7 @@ Tokens are grouped by expert; each expert's group goes through exactly MXLinear'
 group's tokens for wgrad. The whole stack is quantized once per step by quant_and_release (a 3-D
 weight is quantized per matrix), so each expert's planes are slices of one cached copy.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -27,13 +28,23 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
 
     zrw_quantized = ("weight",)  # with self.recipe: what zrw.fsdp.prepare wraps (see MXLinear)
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int,
-                 recipe: str | QuantRecipe = "mxfp8", release: bool = True, device=None,
-                 dtype=None, release_frozen: bool = False, main_grad: bool = False):
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        recipe: str | QuantRecipe = "mxfp8",
+        release: bool = True,
+        device=None,
+        dtype=None,
+        release_frozen: bool = False,
+        main_grad: bool = False,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features,
-                                               device=device, dtype=dtype))
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype)
+        )
+        nn.init.normal_(self.weight, std=in_features**-0.5)
         self.recipe = get_recipe(recipe)
         self.release = release
         self.release_frozen = release_frozen
@@ -54,8 +65,13 @@ def is_fused_experts(module: nn.Module) -> bool:
     (E, H, I) parameters, an `act_fn`, and forward(hidden, top_k_index, top_k_weights)."""
     gu = module._parameters.get("gate_up_proj")
     dp = module._parameters.get("down_proj")
-    return (gu is not None and dp is not None and gu.dim() == 3 and dp.dim() == 3
-            and hasattr(module, "act_fn"))
+    return (
+        gu is not None
+        and dp is not None
+        and gu.dim() == 3
+        and dp.dim() == 3
+        and hasattr(module, "act_fn")
+    )
 
 
 class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
@@ -70,13 +86,21 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
     zrw_quantized = ("gate_up_proj", "down_proj")
     zrw_name = ""  # a plain attribute here: the base of the two stacks' names
 
-    def __init__(self, source: nn.Module, recipe: str | QuantRecipe = "mxfp8",
-                 release: bool = True, release_frozen: bool = False, name: str = "",
-                 main_grad: bool = False):
+    def __init__(
+        self,
+        source: nn.Module,
+        recipe: str | QuantRecipe = "mxfp8",
+        release: bool = True,
+        release_frozen: bool = False,
+        name: str = "",
+        main_grad: bool = False,
+    ):
         super().__init__()
         if not is_fused_experts(source):
-            raise TypeError(f"MXFusedExperts: {type(source).__name__} is not a fused-experts "
-                            "module (3-d gate_up_proj and down_proj parameters, act_fn)")
+            raise TypeError(
+                f"MXFusedExperts: {type(source).__name__} is not a fused-experts "
+                "module (3-d gate_up_proj and down_proj parameters, act_fn)"
+            )
         self.gate_up_proj = source.gate_up_proj
         self.down_proj = source.down_proj
         self.act_fn = source.act_fn
@@ -99,8 +123,7 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         """How this layer quantizes its stacks (zrw.weights.WeightPolicy)."""
         return WeightPolicy.cached(self)
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor,
-                top_k_weights: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         T, H = hidden_states.shape
         k = top_k_index.shape[-1]
         with torch.no_grad():
@@ -114,8 +137,7 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         # The names for messages are the stacks' own (NamedWeight stamps every stack registered
         # on the layer). transformers' expert styles swap in to_local() views through
         # `module._parameters[...]`, which no hook sees: those views get the layer's names.
-        names = (self._weight_names()
-                 if engine_view_owner(self.gate_up_proj) is not None else {})
+        names = self._weight_names() if engine_view_owner(self.gate_up_proj) is not None else {}
         policy = WeightPolicy.cached(self)
         gu = grouped_linear(x, self.gate_up_proj, counts, policy.named(names.get("gate_up_proj")))
         gate, up = gu.chunk(2, dim=-1)
@@ -127,7 +149,9 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         return final
 
     def extra_repr(self) -> str:
-        return (f"{self.source_type}: experts={self.num_experts}, "
-                f"gate_up_proj={tuple(self.gate_up_proj.shape)}, "
-                f"down_proj={tuple(self.down_proj.shape)}, recipe={self.recipe.name}, "
-                f"release={self.release}")
+        return (
+            f"{self.source_type}: experts={self.num_experts}, "
+            f"gate_up_proj={tuple(self.gate_up_proj.shape)}, "
+            f"down_proj={tuple(self.down_proj.shape)}, recipe={self.recipe.name}, "
+            f"release={self.release}"
+        )

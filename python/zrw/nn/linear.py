@@ -4,6 +4,7 @@ The GEMMs and their autograd function are zrw.nn.functional's (`mx_linear`); the
 pickling, load and cast behaviour of a layer whose weight may be released is
 zrw.state_dict's `ReleasedWeightsStateDict`. This module is the layer class.
 """
+
 from __future__ import annotations
 
 from torch import Tensor, nn
@@ -33,10 +34,18 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
     # may be replaced by a zrw.planes.MXPlanesCarrier (FSDP2's gathered weight).
     zrw_quantized = ("weight",)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 recipe: str | QuantRecipe = "mxfp8", release: bool = True,
-                 release_frozen: bool = False, main_grad: bool = False, device=None,
-                 dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        recipe: str | QuantRecipe = "mxfp8",
+        release: bool = True,
+        release_frozen: bool = False,
+        main_grad: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = get_recipe(recipe)
         self.release = release
@@ -45,9 +54,15 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         self.zrw_name = "MXLinear.weight"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str | QuantRecipe = "mxfp8",
-                    release: bool = True, release_frozen: bool = False, main_grad: bool = False,
-                    name: str = "") -> "MXLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        recipe: str | QuantRecipe = "mxfp8",
+        release: bool = True,
+        release_frozen: bool = False,
+        main_grad: bool = False,
+        name: str = "",
+    ) -> "MXLinear":
         """An MXLinear that takes over `linear`'s parameters (the same Parameter objects)."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
@@ -74,4 +89,4 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         return linear(x, self.weight, self.bias, WeightPolicy.cached(self))
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}")
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, release={self.release}"
