@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator
 
-from . import _C, memory
+from . import _C, fsdp, memory
 
 __all__ = [
     "fail_allocations",
@@ -114,7 +114,5 @@ def shard_quantizations() -> int:
     """How many times this process quantized a zrw.fsdp.PreQuantWeight's shard for an FSDP2
     all-gather since it started: once per weight and optimizer step (every micro-batch's gather
     and the backward re-gather reuse it)."""
-    from . import fsdp
-
     with fsdp._lock:
         return fsdp._stats["shard_quantizations"]
