@@ -18,9 +18,7 @@
 
 namespace {
 
-PyObject* cpu_isa(PyObject*, PyObject*) {
-  return PyUnicode_FromString(zrw::cpu::active_isa());
-}
+PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(zrw::cpu::active_isa()); }
 
 PyObject* cpu_gemm(PyObject*, PyObject*) {
   try {
@@ -58,19 +56,19 @@ PyObject* bits_digest(PyObject*, PyObject* args) {
   long long nbytes = 0;
   if (!PyArg_ParseTuple(args, "KL", &addr, &nbytes)) return nullptr;
   if (nbytes < 0 || (addr == 0 && nbytes > 0)) {
-    PyErr_Format(PyExc_ValueError, "zrw._C.bits_digest: expected a data pointer and a byte "
-                 "count >= 0, got %llu and %lld", addr, nbytes);
+    PyErr_Format(PyExc_ValueError,
+                 "zrw._C.bits_digest: expected a data pointer and a byte "
+                 "count >= 0, got %llu and %lld",
+                 addr, nbytes);
     return nullptr;
   }
   const auto* p = reinterpret_cast<const unsigned char*>(addr);
   uint64_t h = 0;
-  Py_BEGIN_ALLOW_THREADS
-  h = at::parallel_reduce(
+  Py_BEGIN_ALLOW_THREADS h = at::parallel_reduce(
       int64_t{0}, nbytes / 8, int64_t{1} << 15, uint64_t{0},
       [&](int64_t b, int64_t e, uint64_t acc) { return acc + zrw::digest::words(p, b, e); },
       std::plus<uint64_t>());
-  Py_END_ALLOW_THREADS
-  h = zrw::digest::finish(h, p, nbytes);
+  Py_END_ALLOW_THREADS h = zrw::digest::finish(h, p, nbytes);
   return PyLong_FromUnsignedLongLong(h);
 }
 
@@ -158,7 +156,8 @@ PyMethodDef zrw_methods[] = {
     {"cache_recipes", cache_recipes, METH_NOARGS, "The native cache's weight layouts."},
     {"memory_install", memory_install, METH_NOARGS,
      "Install the counting CPU allocator (once; before the tensors to be measured exist)."},
-    {"memory_installed", memory_installed, METH_NOARGS, "Whether the counting allocator is in use."},
+    {"memory_installed", memory_installed, METH_NOARGS,
+     "Whether the counting allocator is in use."},
     {"memory_current", memory_current, METH_NOARGS, "Live CPU bytes allocated since install."},
     {"memory_peak", memory_peak, METH_NOARGS, "Peak live CPU bytes since install or reset."},
     {"memory_fail_next", memory_fail_next, METH_VARARGS,

@@ -7,29 +7,34 @@ TORCH_LIBRARY(zrw, m) {
   // MX quantization (docs/design.md §3-§4). Blocks of 32 elements share one float8_e8m0fnu scale.
   m.def("mx_quantize(Tensor x, int dim, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
-  m.def("mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
-        " -> (Tensor, Tensor, Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
+      " -> (Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def("mx_quantize_block(Tensor w, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
   // The same three layouts straight from an FP32 master weight (docs/design.md §5, the BF16-free
   // step): each element rounded to param_dtype (bf16 or fp16, as master.to(param_dtype) rounds)
   // and quantized in one read; the outputs are exactly those of the op above applied to
   // master.to(param_dtype), which is never materialized.
-  m.def("mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
-  m.def("mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
-  m.def("mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
-        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def("mx_dequantize(Tensor data, Tensor scale, int dim, ScalarType out_dtype) -> Tensor",
         {at::Tag::pt2_compliant_tag});
-  m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
-        " -> Tensor",
-        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
+      " -> Tensor",
+      {at::Tag::pt2_compliant_tag});
   m.def("mx_expand_block_scale(Tensor block_scale, int n, int k, int dim) -> Tensor",
         {at::Tag::pt2_compliant_tag});
 
@@ -39,8 +44,9 @@ TORCH_LIBRARY(zrw, m) {
   // [data, scale_fwd, data, scale_bwd, block_scale] (one data tensor for both directions).
   // `trainable` (None: w.requires_grad) says whether an optimizer steps w: a DTensor's local
   // shard never requires grad itself (its DTensor does), and is released as trainable.
-  m.def("quant_and_release(Tensor w, str recipe, bool release, bool release_frozen,"
-        " ScalarType elem_dtype, str scale_mode, str name, bool? trainable=None) -> Tensor[]");
+  m.def(
+      "quant_and_release(Tensor w, str recipe, bool release, bool release_frozen,"
+      " ScalarType elem_dtype, str scale_mode, str name, bool? trainable=None) -> Tensor[]");
   // Restores write into the storage a weight was released with, never into another one;
   // fill "master" takes its values from `source` (the FP32 master).
   m.def("restore(Tensor w, str fill, Tensor? source) -> ()");
@@ -49,8 +55,9 @@ TORCH_LIBRARY(zrw, m) {
   // values its next quantization reads (the BF16-free optimizer step).
   // digests: where given, each weight written in place gets the digest of its new bytes
   // (MasterWeights' write check, docs/design.md §5, "Rules of truth").
-  m.def("assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False,"
-        " Tensor(a!)? digests=None) -> int");
+  m.def(
+      "assign_weights(Tensor[] weights, Tensor[] sources, bool keep_released=False,"
+      " Tensor(a!)? digests=None) -> int");
   // The FP32 master a released weight's entry holds (keep_released), or None.
   m.def("cache_master(Tensor w) -> Tensor?");
   // skip: weights left as they are (zrw.cache.restore_all("master") passes those whose

@@ -37,9 +37,9 @@
 #include <torch/library.h>
 
 #include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -69,8 +69,10 @@ Fill parse_fill(const char* op, const std::string& f) {
   for (int i = 0; i < 4; ++i) {
     if (f == names::kFills[i]) return static_cast<Fill>(i);
   }
-  TORCH_CHECK_VALUE(false, op, ": fill must be one of \"empty\", \"zeros\", \"dequant\", "
-                    "\"master\", got \"", f, "\"");
+  TORCH_CHECK_VALUE(false, op,
+                    ": fill must be one of \"empty\", \"zeros\", \"dequant\", "
+                    "\"master\", got \"",
+                    f, "\"");
 }
 
 // Why a weight was not released; each reason has its own counter in cache_stats().
@@ -81,7 +83,7 @@ constexpr const char* kSkipNonLeaf = "non_leaf";
 constexpr const char* kSkipFrozen = "frozen";
 constexpr const char* kSkipFlatBuffer = "flat_buffer";
 constexpr const char* kSkipAliased = "aliased";
-constexpr const char* kSkipReasons[] = {kSkipReleaseFalse, kSkipNoGrad,      kSkipNonLeaf,
+constexpr const char* kSkipReasons[] = {kSkipReleaseFalse, kSkipNoGrad,     kSkipNonLeaf,
                                         kSkipFrozen,       kSkipFlatBuffer, kSkipAliased};
 
 using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -173,9 +175,10 @@ class Failures {
     if (lines_.empty()) return;
     std::ostringstream os;
     os << op_ << ": " << lines_.size() << " weight" << (lines_.size() == 1 ? "" : "s")
-       << " could not be " << what_ << "; each is left as it was (a released one stays "
-          "released with its cache entry and FP8 copy), and can be " << what_
-       << " again once the cause is fixed:";
+       << " could not be " << what_
+       << "; each is left as it was (a released one stays "
+          "released with its cache entry and FP8 copy), and can be "
+       << what_ << " again once the cause is fixed:";
     for (const auto& l : lines_) os << "\n  - " << l;
     if (all_oom_) TORCH_CHECK_WITH(OutOfMemoryError, false, os.str());
     TORCH_CHECK(false, os.str());
@@ -202,8 +205,8 @@ class WeightCache {
   std::vector<at::Tensor> quant_and_release(const at::Tensor& w, const std::string& recipe_str,
                                             bool release, bool release_frozen,
                                             at::ScalarType elem_dtype,
-                                            const std::string& scale_mode,
-                                            const std::string& name, bool trainable) {
+                                            const std::string& scale_mode, const std::string& name,
+                                            bool trainable) {
     constexpr const char* op = "zrw.quant_and_release";
     const Recipe recipe = parse_recipe(op, recipe_str);
     checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
@@ -222,8 +225,8 @@ class WeightCache {
     }
     if (it != table_.end()) {
       Entry& e = it->second;
-      const bool same_recipe = e.recipe == recipe && e.elem_dtype == elem_dtype &&
-                               e.scale_mode == scale_mode;
+      const bool same_recipe =
+          e.recipe == recipe && e.elem_dtype == elem_dtype && e.scale_mode == scale_mode;
       // A released weight cannot have changed (every write to it raises), so its copy stays
       // valid until it is restored, across steps too; unless its data was replaced. A copy
       // filed under no_grad (an eval pass, a reentrant checkpoint's forward) serves the
@@ -234,7 +237,8 @@ class WeightCache {
       if (e.released && !replaced && e.tensors.empty()) {
         // Released with its master after the optimizer step: quantize from the master, in the
         // requested recipe; the weight stays released (no BF16 bytes are allocated).
-        TORCH_CHECK(e.master.defined(), op, ": weight '", e.name, "' is released without an "
+        TORCH_CHECK(e.master.defined(), op, ": weight '", e.name,
+                    "' is released without an "
                     "FP8 copy or a master (internal error)");
         e.tensors = quantize_from_master(e.master, e.dtype, recipe, elem_dtype, scale_mode);
         e.recipe = recipe;
@@ -250,17 +254,17 @@ class WeightCache {
       // bumps no version: PEFT's merge_and_unload, a hand-written update) since its copy was
       // made: a no_grad call (an eval, generate) never reads such a copy, it quantizes the
       // current values; only the training uses of the step share it.
-      const bool fresh =
-          e.released ? !replaced
-                     : e.step == step_ &&
-                           e.version == key->version_counter().current_version() &&
-                           c10::GradMode::is_enabled();
+      const bool fresh = e.released ? !replaced
+                                    : e.step == step_ &&
+                                          e.version == key->version_counter().current_version() &&
+                                          c10::GradMode::is_enabled();
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
         // Filed under no_grad (a reentrant checkpoint's forward) and now used for training (its
         // recompute): release now. release=False stays an explicit choice for the step.
-        if (eval_copy && release && release_guard(w, trainable, release, release_frozen) == kReleased) {
+        if (eval_copy && release &&
+            release_guard(w, trainable, release, release_frozen) == kReleased) {
           e.status = kReleased;
           release_storage_locked(w, e, trainable);
         }
@@ -308,13 +312,16 @@ class WeightCache {
   std::vector<at::Tensor> inference_copy_locked(const at::Tensor& w, Entry* e, Recipe recipe,
                                                 at::ScalarType elem_dtype,
                                                 const std::string& scale_mode) {
-    const bool same_recipe = e != nullptr && e->recipe == recipe &&
-                             e->elem_dtype == elem_dtype && e->scale_mode == scale_mode;
+    const bool same_recipe = e != nullptr && e->recipe == recipe && e->elem_dtype == elem_dtype &&
+                             e->scale_mode == scale_mode;
     if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
       if (!e->tensors.empty() && same_recipe) return e->tensors;
       if (!e->tensors.empty()) {
-        TORCH_CHECK(false, "zrw.quant_and_release: weight '", e->name, "' is released with "
-                    "recipe ", recipe_name(e->recipe), " but was asked for another recipe; "
+        TORCH_CHECK(false, "zrw.quant_and_release: weight '", e->name,
+                    "' is released with "
+                    "recipe ",
+                    recipe_name(e->recipe),
+                    " but was asked for another recipe; "
                     "restore it first (zrw.cache.restore or the optimizer boundary)");
       }
       TORCH_CHECK(e->master.defined(), "zrw.quant_and_release: weight '", e->name,
@@ -337,11 +344,14 @@ class WeightCache {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
     TORCH_CHECK_VALUE(it != table_.end(), op, ": this weight (", w.scalar_type(), ", shape ",
-                      w.sizes(), ") was never released: it has no cache entry, so there is "
+                      w.sizes(),
+                      ") was never released: it has no cache entry, so there is "
                       "nothing to restore");
     Entry& e = it->second;
-    TORCH_CHECK_VALUE(e.released, op, ": weight '", e.name, "' is not released (it is cached, "
-                      "and kept its storage: ", e.status, "), so there is nothing to restore");
+    TORCH_CHECK_VALUE(e.released, op, ": weight '", e.name,
+                      "' is not released (it is cached, "
+                      "and kept its storage: ",
+                      e.status, "), so there is nothing to restore");
     check_restorable(op, w, e);
     fill_and_install_locked(op, e, fill, source);
     table_.erase(it);
@@ -395,17 +405,18 @@ class WeightCache {
   int64_t assign_weights(const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& srcs,
                          bool keep_released, const std::optional<at::Tensor>& digests) {
     constexpr const char* op = "zrw.assign_weights";
-    TORCH_CHECK_VALUE(ws.size() == srcs.size(), op, ": weights and sources must have the same "
-                      "length, got ", ws.size(), " and ", srcs.size());
+    TORCH_CHECK_VALUE(ws.size() == srcs.size(), op,
+                      ": weights and sources must have the same "
+                      "length, got ",
+                      ws.size(), " and ", srcs.size());
     int64_t* digest_rows = nullptr;
     if (digests.has_value()) {
       const at::Tensor& d = *digests;
       TORCH_CHECK_VALUE(d.device().is_cpu() && d.scalar_type() == at::kLong && d.dim() == 2 &&
                             d.size(0) == static_cast<int64_t>(ws.size()) && d.size(1) == 2 &&
                             d.is_contiguous(),
-                        op, ": digests must be a contiguous CPU int64 tensor of shape (",
-                        ws.size(), ", 2), got ", d.scalar_type(), " of shape ", d.sizes(),
-                        " on ", d.device());
+                        op, ": digests must be a contiguous CPU int64 tensor of shape (", ws.size(),
+                        ", 2), got ", d.scalar_type(), " of shape ", d.sizes(), " on ", d.device());
       digest_rows = d.data_ptr<int64_t>();
       std::fill(digest_rows, digest_rows + 2 * ws.size(), int64_t{0});
     }
@@ -421,16 +432,20 @@ class WeightCache {
       const std::string name = e != nullptr ? e->name : "<weight " + std::to_string(i) + ">";
       bool restored = false;
       const bool ok = failures.attempt(name, [&] {
-        TORCH_CHECK_VALUE(srcs[i].sizes() == w.sizes(), op, ": source ", i, " must have the "
-                          "weight's shape ", w.sizes(), ", got ", srcs[i].sizes());
+        TORCH_CHECK_VALUE(srcs[i].sizes() == w.sizes(), op, ": source ", i,
+                          " must have the "
+                          "weight's shape ",
+                          w.sizes(), ", got ", srcs[i].sizes());
         if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
           if (keep_released) {
             TORCH_CHECK_VALUE(srcs[i].scalar_type() == at::kFloat, op, ": source ", i,
-                              " of released weight '", e->name, "' must be its float32 master "
-                              "(keep_released quantizes from it), got ", srcs[i].scalar_type());
-            TORCH_CHECK_VALUE(srcs[i].device() == w.device(), op, ": source ", i,
-                              " of weight '", e->name, "' must be on the weight's device ",
-                              w.device(), ", got ", srcs[i].device());
+                              " of released weight '", e->name,
+                              "' must be its float32 master "
+                              "(keep_released quantizes from it), got ",
+                              srcs[i].scalar_type());
+            TORCH_CHECK_VALUE(srcs[i].device() == w.device(), op, ": source ", i, " of weight '",
+                              e->name, "' must be on the weight's device ", w.device(), ", got ",
+                              srcs[i].device());
           } else {
             fill_and_install_locked(op, *e, Fill::Master, srcs[i]);
           }
@@ -490,7 +505,8 @@ class WeightCache {
   int64_t restore_all(const std::string& fill_str, const std::vector<at::Tensor>& skip) {
     constexpr const char* op = "zrw.restore_all";
     const Fill fill = parse_fill(op, fill_str);
-    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" needs each weight's FP32 "
+    TORCH_CHECK_VALUE(fill != Fill::Master, op,
+                      ": fill \"master\" needs each weight's FP32 "
                       "master: call zrw.cache.restore_all(\"master\"), which passes them");
     std::unordered_set<const c10::TensorImpl*> skipped;
     for (const auto& w : skip) skipped.insert(w.unsafeGetTensorImpl());
@@ -528,7 +544,8 @@ class WeightCache {
   bool invalidate(const at::Tensor& w, const std::string& fill_str) {
     constexpr const char* op = "zrw.cache_invalidate";
     const Fill fill = parse_fill(op, fill_str);
-    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" is handled by "
+    TORCH_CHECK_VALUE(fill != Fill::Master, op,
+                      ": fill \"master\" is handled by "
                       "zrw.cache.cache_invalidate, which passes the master");
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
@@ -544,7 +561,8 @@ class WeightCache {
   void clear(const std::string& fill_str) {
     constexpr const char* op = "zrw.cache_clear";
     const Fill fill = parse_fill(op, fill_str);
-    TORCH_CHECK_VALUE(fill != Fill::Master, op, ": fill \"master\" is handled by "
+    TORCH_CHECK_VALUE(fill != Fill::Master, op,
+                      ": fill \"master\" is handled by "
                       "zrw.cache.cache_clear, which passes the masters");
     std::lock_guard<std::mutex> lock(mu_);
     Failures failures(op);
@@ -555,9 +573,8 @@ class WeightCache {
       if (e.released) strong = e.weight.lock();
       if (strong && strong->has_storage() &&
           strong->storage().unsafeGetStorageImpl() == e.storage.get()) {
-        drop = failures.attempt(e.name, [&] {
-          fill_and_install_locked(op, e, fill, std::nullopt);
-        });
+        drop =
+            failures.attempt(e.name, [&] { fill_and_install_locked(op, e, fill, std::nullopt); });
       }
       it = drop ? table_.erase(it) : std::next(it);
     }
@@ -700,19 +717,19 @@ class WeightCache {
     if (dtype == at::kFloat) return quantize(master, recipe, elem_dtype, scale_mode);
     at::AutoDispatchBelowADInplaceOrView guard;
     if (recipe == Recipe::MXFP8) {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("zrw::mx_quantize_dual_from_master", "")
-                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-                               const at::Tensor&, at::ScalarType, at::ScalarType,
-                               c10::string_view)>();
+      static auto op =
+          c10::Dispatcher::singleton()
+              .findSchemaOrThrow("zrw::mx_quantize_dual_from_master", "")
+              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                  const at::Tensor&, at::ScalarType, at::ScalarType, c10::string_view)>();
       auto [df, sf, db, sb] = op.call(master, dtype, elem_dtype, scale_mode);
       return {df, sf, db, sb};
     }
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("zrw::mx_quantize_block_from_master", "")
-                         .typed<std::tuple<at::Tensor, at::Tensor>(
-                             const at::Tensor&, at::ScalarType, at::ScalarType,
-                             c10::string_view)>();
+    static auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("zrw::mx_quantize_block_from_master", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
+                                                      at::ScalarType, c10::string_view)>();
     auto [data, block] = op.call(master, dtype, elem_dtype, scale_mode);
     return block_entry(data, block);
   }
@@ -757,7 +774,8 @@ class WeightCache {
     // and cache_stats()["released_bytes"] account for them.
     if (e.frozen) {
       s->release_data_and_set_meta_custom_data_ptr_error_msg_(
-          "zrw: the BF16 storage of weight '" + e.name + "' is released (zero-redundancy "
+          "zrw: the BF16 storage of weight '" + e.name +
+          "' is released (zero-redundancy "
           "weights: a frozen weight released for good with release_frozen=True, whose MXFP8 "
           "copy alone holds its values). It holds no data now. "
           "model.state_dict() gives its dequantized FP8 values (see zrw.checkpoint."
@@ -802,7 +820,8 @@ class WeightCache {
       source = e.master;
     }
     TORCH_CHECK_VALUE(fill != Fill::Master || (source.has_value() && source->defined()), op,
-                      ": fill \"master\" needs the FP32 master of weight '", e.name, "', but it "
+                      ": fill \"master\" needs the FP32 master of weight '", e.name,
+                      "', but it "
                       "has none: wrap the optimizer in zrw.optim.MasterWeights, or use "
                       "fill=\"dequant\" (lossy)");
     c10::StorageImpl* s = e.storage.get();
@@ -817,17 +836,16 @@ class WeightCache {
       if (fill == Fill::Zeros) {
         target.zero_();
       } else if (fill == Fill::Master) {
-        TORCH_CHECK_VALUE(source->sizes() == target.sizes(), op, ": the master of weight '",
-                          e.name, "' must have its shape ", target.sizes(), ", got ",
-                          source->sizes());
+        TORCH_CHECK_VALUE(source->sizes() == target.sizes(), op, ": the master of weight '", e.name,
+                          "' must have its shape ", target.sizes(), ", got ", source->sizes());
         target.copy_(*source);
       } else {
         TORCH_CHECK(!e.tensors.empty(), op, ": cannot restore weight '", e.name,
                     "' by dequantization: its FP8 copy is gone");
-        static auto deq = c10::Dispatcher::singleton()
-                              .findSchemaOrThrow("zrw::mx_dequantize", "")
-                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                                at::ScalarType)>();
+        static auto deq =
+            c10::Dispatcher::singleton()
+                .findSchemaOrThrow("zrw::mx_dequantize", "")
+                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType)>();
         target.copy_(deq.call(e.tensors[0], e.tensors[1], -1, e.dtype));
       }
     }
@@ -848,16 +866,13 @@ class WeightCache {
 std::vector<at::Tensor> quant_and_release(const at::Tensor& w, c10::string_view recipe,
                                           bool release, bool release_frozen,
                                           at::ScalarType elem_dtype, c10::string_view scale_mode,
-                                          c10::string_view name,
-                                          std::optional<bool> trainable) {
-  return WeightCache::get().quant_and_release(w, std::string(recipe), release, release_frozen,
-                                              elem_dtype, std::string(scale_mode),
-                                              std::string(name),
-                                              trainable.value_or(w.requires_grad()));
+                                          c10::string_view name, std::optional<bool> trainable) {
+  return WeightCache::get().quant_and_release(
+      w, std::string(recipe), release, release_frozen, elem_dtype, std::string(scale_mode),
+      std::string(name), trainable.value_or(w.requires_grad()));
 }
 
-void restore(const at::Tensor& w, c10::string_view fill,
-             const std::optional<at::Tensor>& source) {
+void restore(const at::Tensor& w, c10::string_view fill, const std::optional<at::Tensor>& source) {
   WeightCache::get().restore(w, std::string(fill), source);
 }
 
@@ -907,15 +922,15 @@ std::vector<int64_t> cache_states(at::TensorList weights) {
 // Tensor ops dispatch on their weight. They are registered for Autograd too, so that autograd
 // attaches no history to the FP8 outputs (they are not differentiable; the training layers own
 // the gradient formulas). The table-wide ops take no tensor.
-#define ZRW_CACHE_TENSOR_OPS(m)                     \
-  m.impl("quant_and_release", &quant_and_release);  \
-  m.impl("restore", &restore);                      \
-  m.impl("restore_weights", &restore_weights);      \
-  m.impl("assign_weights", &assign_weights);        \
-  m.impl("cache_invalidate", &cache_invalidate);    \
-  m.impl("cache_state", &cache_state);              \
-  m.impl("cache_states", &cache_states);              \
-  m.impl("cache_master", &cache_master);              \
+#define ZRW_CACHE_TENSOR_OPS(m)                    \
+  m.impl("quant_and_release", &quant_and_release); \
+  m.impl("restore", &restore);                     \
+  m.impl("restore_weights", &restore_weights);     \
+  m.impl("assign_weights", &assign_weights);       \
+  m.impl("cache_invalidate", &cache_invalidate);   \
+  m.impl("cache_state", &cache_state);             \
+  m.impl("cache_states", &cache_states);           \
+  m.impl("cache_master", &cache_master);           \
   m.impl("restore_all", &restore_all)
 
 TORCH_LIBRARY_IMPL(zrw, CompositeExplicitAutograd, m) { ZRW_CACHE_TENSOR_OPS(m); }

@@ -33,8 +33,7 @@ inline void check_elem_dtype(const char* op, const char* arg, at::ScalarType t) 
 inline void check_device(const char* op, const char* arg, const at::Tensor& t,
                          c10::DeviceType expected) {
   TORCH_CHECK(t.device().type() == expected, op, ": ", arg, " must be on ",
-              c10::DeviceTypeName(expected, /*lower_case=*/true), ", got a tensor on ",
-              t.device());
+              c10::DeviceTypeName(expected, /*lower_case=*/true), ", got a tensor on ", t.device());
 }
 
 inline void check_float_input(const char* op, const char* arg, const at::Tensor& x) {

@@ -16,8 +16,8 @@ uint64_t words_portable(const unsigned char* base, int64_t begin, int64_t end) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f,avx512dq,avx512vl"))) uint64_t words_avx512(
-    const unsigned char* base, int64_t begin, int64_t end) {
+__attribute__((target("avx512f,avx512dq,avx512vl"))) uint64_t
+words_avx512(const unsigned char* base, int64_t begin, int64_t end) {
   return words_loop(base, begin, end);
 }
 #endif

@@ -20,8 +20,8 @@ namespace digest {
 // bytes at base + 8 * i). One loop; digest.cpp compiles it per instruction set (the AVX-512
 // build multiplies 8 words at a time) and words() runs the one zrw::cpu::active_isa() names
 // (ZRW_CPU_ISA forces it, as for the MX kernels). Every build gives the same sums.
-__attribute__((always_inline)) inline uint64_t words_loop(const unsigned char* base,
-                                                          int64_t begin, int64_t end) {
+__attribute__((always_inline)) inline uint64_t words_loop(const unsigned char* base, int64_t begin,
+                                                          int64_t end) {
   uint64_t acc = 0;
   for (int64_t i = begin; i < end; ++i) {
     uint64_t w;

@@ -38,8 +38,8 @@ template <>
 struct Elem<ElemFormat::E4M3> {
   static constexpr int kMantBits = 3;
   static constexpr int kBias = 7;
-  static constexpr int kEmax = 8;          // exponent of the largest normal (448 = 1.75 * 2^8)
-  static constexpr int kEminNormal = -6;   // smallest normal 2^-6; subnormal quantum 2^-9
+  static constexpr int kEmax = 8;         // exponent of the largest normal (448 = 1.75 * 2^8)
+  static constexpr int kEminNormal = -6;  // smallest normal 2^-6; subnormal quantum 2^-9
   static constexpr float kMax = 448.0f;
 };
 
@@ -113,16 +113,16 @@ inline uint32_t encode_elem_lane(float y) {
   // max = 1.75 * 2^emax: mantissa bits 0b11 followed by zeros.
   constexpr int32_t kMaxCode = ((E::kEmax + E::kBias) << E::kMantBits) | (3 << (E::kMantBits - 2));
   constexpr int32_t kMinNormalBits = (127 + E::kEminNormal) << 23;
-  constexpr uint32_t kSmallMagicBits = static_cast<uint32_t>(127 + E::kEminNormal - E::kMantBits + 23)
-                                       << 23;
+  constexpr uint32_t kSmallMagicBits =
+      static_cast<uint32_t>(127 + E::kEminNormal - E::kMantBits + 23) << 23;
   const uint32_t bits = f32_bits(y);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
   const uint32_t rounded = abs_bits + kHalfMinusOne + ((abs_bits >> kShift) & 1u);
   int32_t normal_code = static_cast<int32_t>(rounded >> kShift) - kRebias;
   normal_code = normal_code < kMaxCode ? normal_code : kMaxCode + 0;
-  const uint32_t small_code = f32_bits(bits_f32(abs_bits) + bits_f32(kSmallMagicBits)) -
-                              kSmallMagicBits;
+  const uint32_t small_code =
+      f32_bits(bits_f32(abs_bits) + bits_f32(kSmallMagicBits)) - kSmallMagicBits;
   const uint32_t normal_mask =
       0u - static_cast<uint32_t>(static_cast<int32_t>(abs_bits) >= kMinNormalBits + 0);
   const uint32_t code =

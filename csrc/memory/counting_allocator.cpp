@@ -87,8 +87,8 @@ class CountingAllocator final : public c10::Allocator {
       }
       fail_count_.fetch_sub(1);
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.testing: injected allocation failure (",
-                     n, " bytes; zrw.testing.fail_allocations)");
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "zrw.testing: injected allocation failure (", n,
+                     " bytes; zrw.testing.fail_allocations)");
   }
 #endif
 

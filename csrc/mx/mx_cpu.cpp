@@ -19,13 +19,12 @@
 #include "../common/mx_format.h"
 #include "mx_cpu_kernels.h"
 
-
 namespace zrw {
 namespace {
 
 using mx::ElemFormat;
-using mx::ScaleMode;
 using mx::kBlock;
+using mx::ScaleMode;
 
 ElemFormat elem_format(at::ScalarType t) {
   return t == at::kFloat8_e4m3fn ? ElemFormat::E4M3 : ElemFormat::E5M2;
@@ -44,8 +43,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const at::Tensor& x, int64_t d
                                                   at::ScalarType round_to) {
   const at::Tensor xc = x.contiguous();
   auto data = at::empty(x.sizes(), x.options().dtype(elem_dtype));
-  auto scale = at::empty(checks::scale_shape_along(x.sizes(), d),
-                         x.options().dtype(at::kFloat8_e8m0fnu));
+  auto scale =
+      at::empty(checks::scale_shape_along(x.sizes(), d), x.options().dtype(at::kFloat8_e8m0fnu));
   const int64_t D = x.size(d);
   int64_t outer = 1, inner = 1;
   for (int64_t i = 0; i < d; ++i) outer *= x.size(i);
@@ -58,8 +57,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const at::Tensor& x, int64_t d
     // Blocks run along the contiguous axis: one matrix (outer, D), blocks along its rows.
     o.row_data = dp;
     o.row_scale = sp;
-    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), round_to, 1, outer, D, fmt,
-                           mode, o);
+    cpu::quantize_matrices(xc.const_data_ptr(), xc.scalar_type(), round_to, 1, outer, D, fmt, mode,
+                           o);
   } else {
     // Blocks run across rows: `outer` matrices (D, inner), blocks down their columns.
     o.col_data = dp;
@@ -77,8 +76,10 @@ struct WeightDims {
       : E(w.dim() == 3 ? w.size(0) : 1), N(w.size(w.dim() - 2)), K(w.size(w.dim() - 1)) {}
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(
-    const at::Tensor& w, at::ScalarType elem_dtype, ScaleMode mode, at::ScalarType round_to) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(const at::Tensor& w,
+                                                                         at::ScalarType elem_dtype,
+                                                                         ScaleMode mode,
+                                                                         at::ScalarType round_to) {
   const at::Tensor wc = w.contiguous();
   const int64_t nd = w.dim();
   const WeightDims dims(w);
@@ -122,8 +123,8 @@ constexpr at::ScalarType kNoRounding = at::ScalarType::Undefined;
 // Ops.
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_cpu(const at::Tensor& x, int64_t dim,
-                                                    at::ScalarType elem_dtype,
-                                                    c10::string_view scale_mode) {
+                                                   at::ScalarType elem_dtype,
+                                                   c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize";
   checks::check_device(op, "x", x, c10::DeviceType::CPU);
   checks::check_float_input(op, "x", x);
@@ -142,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
-                                                          at::ScalarType elem_dtype,
-                                                          c10::string_view scale_mode) {
+                                                         at::ScalarType elem_dtype,
+                                                         c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block";
   checks::check_device(op, "w", w, c10::DeviceType::CPU);
   const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
@@ -154,15 +155,14 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_cpu(const at::Tensor& w,
 // mx_quantize*(master.to(param_dtype), ...), with the rounding done in the kernel's one read.
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_from_master_cpu(const at::Tensor& master,
-                                                                int64_t dim,
-                                                                at::ScalarType param_dtype,
-                                                                at::ScalarType elem_dtype,
-                                                                c10::string_view scale_mode) {
+                                                               int64_t dim,
+                                                               at::ScalarType param_dtype,
+                                                               at::ScalarType elem_dtype,
+                                                               c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_from_master";
   checks::check_device(op, "master", master, c10::DeviceType::CPU);
-  const auto [mode, d] =
-      checks::check_mx_quantize_from_master_args(op, master, dim, param_dtype, elem_dtype,
-                                                 scale_mode);
+  const auto [mode, d] = checks::check_mx_quantize_from_master_args(op, master, dim, param_dtype,
+                                                                    elem_dtype, scale_mode);
   return quantize_along(master, d, elem_dtype, mode, param_dtype);
 }
 
@@ -176,9 +176,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_from
   return quantize_dual(master, elem_dtype, mode, param_dtype);
 }
 
-std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_cpu(
-    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
-    c10::string_view scale_mode) {
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_cpu(const at::Tensor& master,
+                                                                     at::ScalarType param_dtype,
+                                                                     at::ScalarType elem_dtype,
+                                                                     c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block_from_master";
   checks::check_device(op, "master", master, c10::DeviceType::CPU);
   const ScaleMode mode =
@@ -209,20 +210,20 @@ at::Tensor mx_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, in
     // Blocks along the contiguous axis: `outer` rows of D, each with its DB scales.
     at::parallel_for(0, outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)),
                      [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        cpu::dequantize_row_blocks(fmt, dp + g * D, sp + g * DB, D, op_ + g * D);
-      }
-    });
+                       for (int64_t g = begin; g < end; ++g) {
+                         cpu::dequantize_row_blocks(fmt, dp + g * D, sp + g * DB, D, op_ + g * D);
+                       }
+                     });
   } else {
     // Row g of the (outer * D, inner) view uses scale row (g / D) * DB + (g % D) / 32.
     at::parallel_for(0, outer * D, std::max<int64_t>(1, 16384 / inner),
                      [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        cpu::dequantize_per_element(fmt, dp + g * inner,
-                                    sp + ((g / D) * DB + (g % D) / kBlock) * inner, inner,
-                                    op_ + g * inner);
-      }
-    });
+                       for (int64_t g = begin; g < end; ++g) {
+                         cpu::dequantize_per_element(fmt, dp + g * inner,
+                                                     sp + ((g / D) * DB + (g % D) / kBlock) * inner,
+                                                     inner, op_ + g * inner);
+                       }
+                     });
   }
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
@@ -271,9 +272,13 @@ struct MxOperand {
 
   MxOperand(const at::Tensor& d, const at::Tensor& s)
       : data(static_cast<const uint8_t*>(d.const_data_ptr())),
-        rows(d.size(0)), k(d.size(1)), s_row(d.stride(0)), s_k(d.stride(1)),
+        rows(d.size(0)),
+        k(d.size(1)),
+        s_row(d.stride(0)),
+        s_k(d.stride(1)),
         scale(static_cast<const uint8_t*>(s.const_data_ptr())),
-        ss_row(s.stride(0)), ss_kb(s.stride(1)),
+        ss_row(s.stride(0)),
+        ss_kb(s.stride(1)),
         fmt(elem_format(d.scalar_type())) {}
 
   // Row-major along K unless the bytes are column-major (the .t() of a tensor blocked along
@@ -494,10 +499,13 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   // the result is allocated or any scale is read (issue 28: K = 2^33 scanned every block for
   // minutes, then ran out of memory).
   constexpr int64_t kMaxK = int64_t{1} << 23;
-  TORCH_CHECK_VALUE(K <= kMaxK, op, ": the reduction dimension K (a's and b's dim 1) must be at "
-                    "most ", kMaxK, " (2^23: the CPU kernel dequantizes whole rows of K into its "
-                    "tiles, and 64 fp32 rows of a longer K exceed 2 GiB), got K = ", K,
-                    "; split the product along K and add the partial results");
+  TORCH_CHECK_VALUE(K <= kMaxK, op,
+                    ": the reduction dimension K (a's and b's dim 1) must be at "
+                    "most ",
+                    kMaxK,
+                    " (2^23: the CPU kernel dequantizes whole rows of K into its "
+                    "tiles, and 64 fp32 rows of a longer K exceed 2 GiB), got K = ",
+                    K, "; split the product along K and add the partial results");
   // Below the autograd and view-tracking keys (this kernel is registered for CPU, so its caller
   // is already there): the tiles, views and GEMMs below dispatch straight to their CPU kernels,
   // without autograd view metadata, which at the shapes of a small layer costs more than the

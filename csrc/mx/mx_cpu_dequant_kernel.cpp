@@ -30,7 +30,7 @@ inline VF decode_lanes(VU32 byte) {
   const VU32 mag = byte & 0x7Fu;
   const VU32 normal = (mag << (23 - E::kMantBits)) + ((127u - E::kBias) << 23);
   const VF sub = __builtin_convertvector(reinterpret_cast<VI32>(mag), VF) *
-                   (1.0f / static_cast<float>(1 << (E::kMantBits - E::kEminNormal)));
+                 (1.0f / static_cast<float>(1 << (E::kMantBits - E::kEminNormal)));
   VU32 v = mag > (1u << E::kMantBits) - 1 ? normal : reinterpret_cast<VU32>(sub);
   if constexpr (F == ElemFormat::E4M3) {
     v = mag == 0x7Fu ? VU32{} + 0x7FC00000u : v;

@@ -62,13 +62,15 @@ Choice pick() {
                   " was requested but this CPU does not support it");
       return c;
     }
-    TORCH_CHECK(false, "ZRW_CPU_ISA must be one of the kernels built into zrw "
+    TORCH_CHECK(false,
+                "ZRW_CPU_ISA must be one of the kernels built into zrw "
 #if defined(ZRW_HAVE_X86_ISAS)
-                       "(avx512, avx2, base)"
+                "(avx512, avx2, base)"
 #else
-                       "(base)"
+                "(base)"
 #endif
-                       ", got \"", forced, "\"");
+                ", got \"",
+                forced, "\"");
   }
   for (const auto& c : choices) {
     if (cpu_has(c.name)) return c;

@@ -30,18 +30,18 @@ enum class Src { BF16, F16, F32, F32AsBF16, F32AsF16 };
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& f);
 
-#define ZRW_DECLARE_CPU_ISA(isa)                                                              \
-  namespace isa {                                                                             \
-  void quantize_matrices(const void* src, Src src_kind, int64_t nmat, int64_t N, int64_t K,   \
-                         mx::ElemFormat fmt, mx::ScaleMode mode, const QuantOutputs& out);    \
-  void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,  \
-                             int64_t n, float* out);                                          \
-  void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
-                              int64_t n, float* out);                                         \
-  void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data,                    \
-                                  const uint8_t* scales, int64_t n, uint16_t* out);           \
-  void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data,                   \
-                                   const uint8_t* scales, int64_t n, uint16_t* out);          \
+#define ZRW_DECLARE_CPU_ISA(isa)                                                                   \
+  namespace isa {                                                                                  \
+  void quantize_matrices(const void* src, Src src_kind, int64_t nmat, int64_t N, int64_t K,        \
+                         mx::ElemFormat fmt, mx::ScaleMode mode, const QuantOutputs& out);         \
+  void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,       \
+                             int64_t n, float* out);                                               \
+  void dequantize_per_element(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,      \
+                              int64_t n, float* out);                                              \
+  void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,  \
+                                  int64_t n, uint16_t* out);                                       \
+  void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
+                                   int64_t n, uint16_t* out);                                      \
   }
 ZRW_DECLARE_CPU_ISA(base)
 ZRW_DECLARE_CPU_ISA(avx2)

@@ -34,8 +34,8 @@ using DequantizeFn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uin
 // product's bits. Exact only when every product is a bf16 value (normal or zero), which
 // mx_matmul checks before it takes the BF16 path (bf16_exact in mx_cpu.cpp); the kernels do not
 // round.
-using DequantizeBf16Fn = void (*)(mx::ElemFormat fmt, const uint8_t* data,
-                                  const uint8_t* scales, int64_t n, uint16_t* out);
+using DequantizeBf16Fn = void (*)(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
+                                  int64_t n, uint16_t* out);
 
 // The instruction set the kernels run with: "avx512", "avx2" or "base".
 const char* active_isa();

@@ -74,8 +74,8 @@ using mx::ElemFormat;
 using mx::kBlock;
 using mx::ScaleMode;
 
-constexpr int W = kLanes;       // lanes per register
-constexpr int R = kBlock / W;   // registers per 32-element run
+constexpr int W = kLanes;      // lanes per register
+constexpr int R = kBlock / W;  // registers per 32-element run
 constexpr int64_t kNtMinElems = int64_t{4} << 20;
 
 template <ElemFormat F>
@@ -265,10 +265,11 @@ inline VB32 encode_lanes(VF v, VU32 byte) {
   const VU32 rounded = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
   VI32 normal = reinterpret_cast<VI32>(rounded >> kShift) - kRebias;
   normal = normal < kMaxCode ? normal : VI32{} + kMaxCode;
-  const VU32 small = reinterpret_cast<VU32>(reinterpret_cast<VF>(a) +
-                                            reinterpret_cast<VF>(VU32{} + kMagic)) - kMagic;
-  VU32 code = (reinterpret_cast<VI32>(a) >= kMinNormalBits ? reinterpret_cast<VU32>(normal)
-                                                           : small) | sign;
+  const VU32 small =
+      reinterpret_cast<VU32>(reinterpret_cast<VF>(a) + reinterpret_cast<VF>(VU32{} + kMagic)) -
+      kMagic;
+  VU32 code =
+      (reinterpret_cast<VI32>(a) >= kMinNormalBits ? reinterpret_cast<VU32>(normal) : small) | sign;
   code = byte == 255u ? VU32{} + mx::kElemNaN : code;
   return __builtin_convertvector(code, VB32);
 }
@@ -276,9 +277,8 @@ inline VB32 encode_lanes(VF v, VU32 byte) {
 // One 32-element run of a row, from the input x: the block's codes (byte blk_byte) to blk_out and
 // the columns' (bytes col_bytes) to col_out; either output may be null.
 template <ElemFormat F, Src S>
-__attribute__((noinline)) void exact_run(const In<S>* x, uint8_t blk_byte,
-                                         const uint8_t* col_bytes, uint8_t* blk_out,
-                                         uint8_t* col_out) {
+__attribute__((noinline)) void exact_run(const In<S>* x, uint8_t blk_byte, const uint8_t* col_bytes,
+                                         uint8_t* blk_out, uint8_t* col_out) {
   alignas(64) float v[kBlock];
   for (int j = 0; j < kBlock; ++j) v[j] = value<S>(x[j]);
   for (int h = 0; h < kBlock; h += kLanes32) {
@@ -297,7 +297,7 @@ __attribute__((noinline)) void exact_run(const In<S>* x, uint8_t blk_byte,
 // path.
 template <ElemFormat F, bool BLK, bool COL>
 __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc,
-                                                     uint8_t* bo, uint8_t* co, bool nt) {
+                                                      uint8_t* bo, uint8_t* co, bool nt) {
   using C = Enc<F>;
   V bc[R], cc[R], sign[R];
   V low = splat(0x7FFF);
@@ -335,8 +335,8 @@ inline void pad_block(const T* src, int n, T* dst) {
 }
 
 // ---- blocks along rows only ---------------------------------------------------------------------
-constexpr int kGroup = 64;               // blocks per group
-constexpr int64_t kRowPrefetch = 2048;   // elements ahead the stream is prefetched
+constexpr int kGroup = 64;              // blocks per group
+constexpr int64_t kRowPrefetch = 2048;  // elements ahead the stream is prefetched
 
 struct RowScratch {
   alignas(64) uint16_t stage[kGroup * kBlock];  // fp32/fp16: the group's keys
@@ -347,8 +347,8 @@ struct RowScratch {
 // `nblk` (<= kGroup) consecutive whole blocks at src (one row's, or a flat run of rows' whose
 // length is a multiple of 32). FULL: kGroup blocks (compile-time shapes).
 template <ElemFormat F, Src S, bool FULL>
-void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_t* scale,
-               bool nt, RowScratch& s) {
+void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_t* scale, bool nt,
+               RowScratch& s) {
   if constexpr (FULL) nblk = kGroup;
 #pragma GCC unroll 1
   for (int t0 = 0; t0 < nblk; t0 += W) {
@@ -561,14 +561,13 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
 // Strips of 32 rows over `nmat` matrices (N, K) stacked densely (every plane too).
 template <ElemFormat F, BlockKind BK, bool COL, Src S>
 void quantize_strips(const In<S>* src, int64_t nmat, int64_t N, int64_t K, ScaleMode mode,
-                     uint8_t* blk_data, uint8_t* blk_scale, uint8_t* col_data,
-                     uint8_t* col_scale) {
+                     uint8_t* blk_data, uint8_t* blk_scale, uint8_t* col_data, uint8_t* col_scale) {
   const int64_t KB = mx::ceil_div(K, kBlock), NB = mx::ceil_div(N, kBlock);
   const int64_t kfull = K / kBlock * kBlock;
   const int tail = static_cast<int>(K - kfull);
   auto aligned = [](const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
-  const bool nt = K % 64 == 0 && aligned(blk_data) && aligned(col_data) &&
-                  nmat * N * K >= kNtMinElems;
+  const bool nt =
+      K % 64 == 0 && aligned(blk_data) && aligned(col_data) && nmat * N * K >= kNtMinElems;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kBlock * K));
   parallel_for(0, nmat * NB, grain, [&](int64_t i0, int64_t i1) {
     auto s = std::make_unique<StripScratch>();
@@ -589,12 +588,12 @@ void quantize_strips(const In<S>* src, int64_t nmat, int64_t N, int64_t K, Scale
       for (int64_t c0 = 0; c0 < kfull; c0 += kChunkCols) {
         const int w = static_cast<int>(std::min<int64_t>(kChunkCols, kfull - c0));
         // The chunk this thread takes next (the next strip starts right after this one).
-        const In<S>* next = c0 + w < kfull ? src + off + c0 + w
-                                           : (i + 1 < i1 ? src + off + nrows * K : nullptr);
+        const In<S>* next =
+            c0 + w < kfull ? src + off + c0 + w : (i + 1 < i1 ? src + off + nrows * K : nullptr);
         strip_chunk<F, BK, COL, S>(src + off + c0, K, nrows, w / kBlock, w, mode,
                                    bd ? bd + c0 : nullptr, bs ? bs + c0 / kBlock : nullptr,
-                                   ld_scale, cd ? cd + c0 : nullptr, cs ? cs + c0 : nullptr, K,
-                                   nt, K, next, *s);
+                                   ld_scale, cd ? cd + c0 : nullptr, cs ? cs + c0 : nullptr, K, nt,
+                                   K, next, *s);
       }
       if (tail == 0) continue;
       // The last partial block: a padded copy (32 x 32), its outputs copied out.
@@ -626,11 +625,11 @@ void quantize(const void* src, int64_t nmat, int64_t N, int64_t K, ScaleMode mod
     quantize_strips<F, BlockKind::Tile, true, S>(x, nmat, N, K, mode, o.tile_data, o.tile_scale,
                                                  o.col_data, o.col_scale);
   } else if (o.tile_data) {
-    quantize_strips<F, BlockKind::Tile, false, S>(x, nmat, N, K, mode, o.tile_data,
-                                                  o.tile_scale, nullptr, nullptr);
+    quantize_strips<F, BlockKind::Tile, false, S>(x, nmat, N, K, mode, o.tile_data, o.tile_scale,
+                                                  nullptr, nullptr);
   } else if (o.col_data) {
-    quantize_strips<F, BlockKind::None, true, S>(x, nmat, N, K, mode, nullptr, nullptr,
-                                                 o.col_data, o.col_scale);
+    quantize_strips<F, BlockKind::None, true, S>(x, nmat, N, K, mode, nullptr, nullptr, o.col_data,
+                                                 o.col_scale);
   }
 }
 
@@ -638,11 +637,16 @@ template <ElemFormat F>
 void quantize_fmt(const void* src, Src kind, int64_t nmat, int64_t N, int64_t K, ScaleMode mode,
                   const QuantOutputs& o) {
   switch (kind) {
-    case Src::BF16: return quantize<F, Src::BF16>(src, nmat, N, K, mode, o);
-    case Src::F16: return quantize<F, Src::F16>(src, nmat, N, K, mode, o);
-    case Src::F32: return quantize<F, Src::F32>(src, nmat, N, K, mode, o);
-    case Src::F32AsBF16: return quantize<F, Src::F32AsBF16>(src, nmat, N, K, mode, o);
-    case Src::F32AsF16: return quantize<F, Src::F32AsF16>(src, nmat, N, K, mode, o);
+    case Src::BF16:
+      return quantize<F, Src::BF16>(src, nmat, N, K, mode, o);
+    case Src::F16:
+      return quantize<F, Src::F16>(src, nmat, N, K, mode, o);
+    case Src::F32:
+      return quantize<F, Src::F32>(src, nmat, N, K, mode, o);
+    case Src::F32AsBF16:
+      return quantize<F, Src::F32AsBF16>(src, nmat, N, K, mode, o);
+    case Src::F32AsF16:
+      return quantize<F, Src::F32AsF16>(src, nmat, N, K, mode, o);
   }
 }
 

@@ -36,9 +36,9 @@ constexpr int kLanes = 16;
 constexpr int kLanes = 8;
 #endif
 
-typedef int16_t V __attribute__((vector_size(2 * kLanes)));    // 16-bit lanes
+typedef int16_t V __attribute__((vector_size(2 * kLanes)));  // 16-bit lanes
 typedef uint16_t VU __attribute__((vector_size(2 * kLanes)));
-typedef uint8_t VB __attribute__((vector_size(kLanes)));         // the lanes as bytes
+typedef uint8_t VB __attribute__((vector_size(kLanes)));  // the lanes as bytes
 // The same register as kLanes / 2 32-bit lanes (fp32 arithmetic: the exact path, dequantization,
 // fp32 sources), and those lanes narrowed to 16 and 8 bits.
 constexpr int kLanes32 = kLanes / 2;
@@ -100,8 +100,7 @@ inline void store_32_bytes(uint8_t* p, const V* c, bool nt) {
   const __m256i b = _mm512_cvtepi16_epi8(reinterpret_cast<__m512i>(c[0]));
 #elif defined(__AVX2__)
   const __m256i b = _mm256_permute4x64_epi64(
-      _mm256_packus_epi16(reinterpret_cast<__m256i>(c[0]), reinterpret_cast<__m256i>(c[1])),
-      0xD8);
+      _mm256_packus_epi16(reinterpret_cast<__m256i>(c[0]), reinterpret_cast<__m256i>(c[1])), 0xD8);
 #endif
 #if defined(__AVX2__)
   if (nt) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), b);
@@ -132,8 +131,8 @@ inline void f16_to_f32(const uint16_t* p, float* out, int n) {
   int j = 0;
 #if defined(__F16C__)
   for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(
-                                  reinterpret_cast<const __m128i*>(p + j))));
+    _mm256_storeu_ps(out + j,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
   }
 #endif
   for (; j < n; ++j) out[j] = f16_to_f32(p[j]);
@@ -143,9 +142,9 @@ inline void round_to_f16(const float* p, float* out, int n) {
   int j = 0;
 #if defined(__F16C__)
   for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm256_cvtps_ph(
-                                  _mm256_loadu_ps(p + j),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    _mm256_storeu_ps(
+        out + j, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(p + j),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
   }
 #endif
   for (; j < n; ++j) out[j] = mx::round_f32_to_f16_value(p[j]);

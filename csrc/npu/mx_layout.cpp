@@ -86,8 +86,10 @@ bool is_column_major(const at::Tensor& t) {
 }
 
 at::Tensor pad_k(const at::Tensor& data, int64_t k_padded) {
-  TORCH_CHECK_VALUE(data.dim() == 2 && k_padded >= data.size(1), "zrw npu pad_k: expected a 2-d "
-                    "operand (R, K) with K <= ", k_padded, ", got shape ", data.sizes());
+  TORCH_CHECK_VALUE(data.dim() == 2 && k_padded >= data.size(1),
+                    "zrw npu pad_k: expected a 2-d "
+                    "operand (R, K) with K <= ",
+                    k_padded, ", got shape ", data.sizes());
   const int64_t extra = k_padded - data.size(1);
   if (extra == 0) return data;
   // Padded on the bytes: constant_pad_nd has no float8 kernels on every backend, uint8 it has.

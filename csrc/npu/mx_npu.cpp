@@ -136,8 +136,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tens
   for (int64_t i = 0; i < d; ++i) outer *= x.size(i);
   for (int64_t i = d + 1; i < x.dim(); ++i) inner *= x.size(i);
   const bool tail = inner == 1;
-  const std::vector<int64_t> shape = tail ? std::vector<int64_t>{outer, D}
-                                          : std::vector<int64_t>{outer, D, inner};
+  const std::vector<int64_t> shape =
+      tail ? std::vector<int64_t>{outer, D} : std::vector<int64_t>{outer, D, inner};
   std::vector<int64_t> canonical = shape;
   canonical[1] = blocks;
   const int64_t axis = tail ? -1 : -2;
@@ -163,8 +163,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_along(const char* op, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_npu(const at::Tensor& x, int64_t dim,
-                                                    at::ScalarType elem_dtype,
-                                                    c10::string_view scale_mode) {
+                                                   at::ScalarType elem_dtype,
+                                                   c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize";
   checks::check_float_input(op, "x", x);
   checks::check_elem_dtype(op, "elem_dtype", elem_dtype);
@@ -174,8 +174,10 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_npu(const at::Tensor& x, int64_t 
 }
 
 // Both axes of a checked weight w (op names the zrw op in errors).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(
-    const char* op, const at::Tensor& w, at::ScalarType elem_dtype, ScaleMode mode) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_dual(const char* op,
+                                                                         const at::Tensor& w,
+                                                                         at::ScalarType elem_dtype,
+                                                                         ScaleMode mode) {
   constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
   const int64_t nd = w.dim();
 
@@ -241,8 +243,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_block(const char* op, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
-                                                          at::ScalarType elem_dtype,
-                                                          c10::string_view scale_mode) {
+                                                         at::ScalarType elem_dtype,
+                                                         c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block";
   const ScaleMode mode = checks::check_weight_quantize_args(op, w, elem_dtype, scale_mode);
   TORCH_CHECK_TYPE(w.scalar_type() != at::kFloat, op,
@@ -269,14 +271,14 @@ at::Tensor master_as_param(const char* op, const char* npu_name, const at::Tenso
 }
 
 std::tuple<at::Tensor, at::Tensor> mx_quantize_from_master_npu(const at::Tensor& master,
-                                                                int64_t dim,
-                                                                at::ScalarType param_dtype,
-                                                                at::ScalarType elem_dtype,
-                                                                c10::string_view scale_mode) {
+                                                               int64_t dim,
+                                                               at::ScalarType param_dtype,
+                                                               at::ScalarType elem_dtype,
+                                                               c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_from_master";
   constexpr const char* npu_name = "npu_dynamic_mx_quant";
   const auto [mode, d] = checks::check_mx_quantize_from_master_args(op, master, dim, param_dtype,
-                                                                   elem_dtype, scale_mode);
+                                                                    elem_dtype, scale_mode);
   const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
   return quantize_along(op, w, d, elem_dtype, mode);
 }
@@ -286,19 +288,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mx_quantize_dual_from
     c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_dual_from_master";
   constexpr const char* npu_name = "npu_dynamic_mx_quant_with_dual_axis";
-  const ScaleMode mode = checks::check_master_weight_quantize_args(op, master, param_dtype,
-                                                                   elem_dtype, scale_mode);
+  const ScaleMode mode =
+      checks::check_master_weight_quantize_args(op, master, param_dtype, elem_dtype, scale_mode);
   const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
   return quantize_dual(op, w, elem_dtype, mode);
 }
 
-std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_npu(
-    const at::Tensor& master, at::ScalarType param_dtype, at::ScalarType elem_dtype,
-    c10::string_view scale_mode) {
+std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_npu(const at::Tensor& master,
+                                                                     at::ScalarType param_dtype,
+                                                                     at::ScalarType elem_dtype,
+                                                                     c10::string_view scale_mode) {
   constexpr const char* op = "zrw.mx_quantize_block_from_master";
   constexpr const char* npu_name = "npu_dynamic_block_mx_quant";
-  const ScaleMode mode = checks::check_master_weight_quantize_args(op, master, param_dtype,
-                                                                   elem_dtype, scale_mode);
+  const ScaleMode mode =
+      checks::check_master_weight_quantize_args(op, master, param_dtype, elem_dtype, scale_mode);
   const at::Tensor w = master_as_param(op, npu_name, master, param_dtype);
   return quantize_block(op, w, elem_dtype, mode);
 }
@@ -321,7 +324,7 @@ at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, in
 
   const at::Tensor bytes = scale.view(at::kByte).to(at::kInt);
   at::Tensor bits = at::bitwise_left_shift(bytes, 23);
-  bits = at::where(bytes == 0, 0x00400000, bits);         // 2^-127
+  bits = at::where(bytes == 0, 0x00400000, bits);              // 2^-127
   bits = at::where(bytes == mx::kScaleNaN, 0x7FC00000, bits);  // NaN
   const at::Tensor factor =
       bits.view(at::kFloat).repeat_interleave(kBlock, d).narrow(d, 0, data.size(d));
@@ -346,8 +349,8 @@ struct NpuOperand {
 // from them, sees what zrw decided even where a size-1 dim leaves contiguity ambiguous.
 NpuOperand npu_operand(const at::Tensor& data, const at::Tensor& scale, int64_t k_padded) {
   const bool col_major = is_column_major(data);
-  const at::Tensor d = col_major ? with_standard_strides(data.t()).t()
-                                 : with_standard_strides(data.contiguous());
+  const at::Tensor d =
+      col_major ? with_standard_strides(data.t()).t() : with_standard_strides(data.contiguous());
   const at::Tensor paired =
       col_major ? scale_to_paired(scale.t(), 0).transpose(0, 1) : scale_to_paired(scale, 1);
   return {pad_k(d, k_padded), paired};

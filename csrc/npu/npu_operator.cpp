@@ -13,14 +13,17 @@ c10::OperatorHandle find_operator(const std::string& caller, const std::string& 
   auto op = c10::Dispatcher::singleton().findSchema({"npu::" + name, ""});
   TORCH_CHECK(op.has_value(), caller, " on an NPU tensor calls torch_npu's operator npu::", name,
               ", which is not registered in this process: `import torch_npu` before calling zrw "
-              "on NPU tensors. zrw needs ", kTorchNpuNeeded);
+              "on NPU tensors. zrw needs ",
+              kTorchNpuNeeded);
   return *op;
 }
 
 }  // namespace
 
 NpuOperator::NpuOperator(const char* caller, const char* name)
-    : caller_(caller), name_(name), op_(find_operator(caller_, name_)),
+    : caller_(caller),
+      name_(name),
+      op_(find_operator(caller_, name_)),
       values_(op_.schema().arguments().size()) {}
 
 std::optional<size_t> NpuOperator::index_of(const char* name) const {
@@ -44,9 +47,10 @@ NpuOperator& NpuOperator::arg(const char* name, c10::IValue value) {
   if (!i) fail_missing(name, "zrw must pass");
   const c10::Argument& a = schema().arguments()[*i];
   // The unboxing wrapper trusts the stack; a value of another type must not reach it.
-  TORCH_CHECK(value.type()->isSubtypeOf(*a.type()), caller_, ": the installed torch_npu's npu::",
-              name_, " takes argument '", name, "' as ", a.type()->repr_str(),
-              ", but zrw passes ", value.type()->repr_str(), ". zrw needs ", kTorchNpuNeeded);
+  TORCH_CHECK(value.type()->isSubtypeOf(*a.type()), caller_,
+              ": the installed torch_npu's npu::", name_, " takes argument '", name, "' as ",
+              a.type()->repr_str(), ", but zrw passes ", value.type()->repr_str(), ". zrw needs ",
+              kTorchNpuNeeded);
   values_[*i] = std::move(value);
   return *this;
 }

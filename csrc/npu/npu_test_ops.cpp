@@ -2,11 +2,11 @@
 // TORCH_LIBRARY(zrw, m) stays in registration.cpp). tests/npu drives them on CPU tensors.
 //
 // Where they live. This file is compiled into its own library, libzrw_npu_test_ops.so, never into
-// zrw._C: `import zrw` registers no zrw_npu_test op. CMake builds it with the adapter's object files
-// (zrw_npu_adapter, the very code linked into _C, which registers nothing itself) when ZRW_TEST_OPS
-// is ON, the default, into build/test_ops/ of the source tree, outside the package a wheel ships;
-// the tests load it with torch.ops.load_library (tests/npu/npu_test_ops.py), as PyTorch's tests
-// load theirs.
+// zrw._C: `import zrw` registers no zrw_npu_test op. CMake builds it with the adapter's object
+// files (zrw_npu_adapter, the very code linked into _C, which registers nothing itself) when
+// ZRW_TEST_OPS is ON, the default, into build/test_ops/ of the source tree, outside the package a
+// wheel ships; the tests load it with torch.ops.load_library (tests/npu/npu_test_ops.py), as
+// PyTorch's tests load theirs.
 //
 // Why a mirror namespace. The adapter's kernels are registered for PrivateUse1, and CPU tensors
 // never dispatch there. The alternatives reach that key but not the adapter's code as it runs:
@@ -28,20 +28,26 @@
 
 TORCH_LIBRARY(zrw_npu_test, m) {
   // zrw's MX op schemas, verbatim (tests/npu/test_adapter.py compares them with zrw's).
-  m.def("mx_quantize(Tensor x, int dim, ScalarType elem_dtype, str scale_mode)"
-        " -> (Tensor, Tensor)");
-  m.def("mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
-        " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "mx_quantize(Tensor x, int dim, ScalarType elem_dtype, str scale_mode)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "mx_quantize_dual(Tensor w, ScalarType elem_dtype, str scale_mode)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("mx_quantize_block(Tensor w, ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
-  m.def("mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
-  m.def("mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
-        " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
+  m.def(
+      "mx_quantize_from_master(Tensor master, int dim, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
+  m.def(
+      "mx_quantize_dual_from_master(Tensor master, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "mx_quantize_block_from_master(Tensor master, ScalarType param_dtype,"
+      " ScalarType elem_dtype, str scale_mode) -> (Tensor, Tensor)");
   m.def("mx_dequantize(Tensor data, Tensor scale, int dim, ScalarType out_dtype) -> Tensor");
-  m.def("mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
-        " -> Tensor");
+  m.def(
+      "mx_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype)"
+      " -> Tensor");
   // The shared layout conversions (mx_layout.h).
   m.def("scale_to_paired(Tensor scale, int dim) -> Tensor");
   m.def("scale_from_paired(Tensor paired, int dim, int num_blocks) -> Tensor");
