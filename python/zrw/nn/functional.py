@@ -274,7 +274,7 @@ def mx_linear(
     parallelism) computes on the rank's local shard (`dtensor_linear`). The flags make one
     zrw.weights.WeightPolicy; the layers pass theirs to `linear` directly."""
     recipe = check_layer_args("mx_linear", x, "input", weight, "(N, K)", recipe, name)
-    return linear(x, weight, bias, WeightPolicy(recipe, release, release_frozen, main_grad, name))
+    return _linear(x, weight, bias, WeightPolicy(recipe, release, release_frozen, main_grad, name))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPolicy) -> Tensor:
@@ -282,6 +282,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPoli
     object: what MXLinear's forward calls with its cached `policy`."""
     policy = check_policy("mx_linear", policy)
     check_layer_args("mx_linear", x, "input", weight, "(N, K)", policy.recipe, policy.name)
+    return _linear(x, weight, bias, policy)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPolicy) -> Tensor:
+    """linear after the arguments every layer shares were checked (check_layer_args)."""
     if x.dim() < 1:
         raise ValueError(
             "mx_linear: input must have at least one dimension (..., K), got a 0-d tensor"
@@ -483,7 +488,7 @@ def mx_grouped_linear(
     main_grad).
     """
     recipe = check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", recipe, name)
-    return grouped_linear(
+    return _grouped_linear(
         x, weight, counts, WeightPolicy(recipe, release, release_frozen, main_grad, name)
     )
 
@@ -494,9 +499,16 @@ def grouped_linear(
     """mx_grouped_linear with the stack's policy as one object: what the expert layers' forward
     calls with their cached `policy`."""
     policy = check_policy("mx_grouped_linear", policy)
+    check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", policy.recipe, policy.name)
+    return _grouped_linear(x, weight, counts, policy)
+
+
+def _grouped_linear(
+    x: Tensor, weight: Tensor, counts: Sequence[int], policy: WeightPolicy
+) -> Tensor:
+    """grouped_linear after the arguments every layer shares were checked (check_layer_args)."""
     recipe, name, main_grad = policy.recipe, policy.name, policy.main_grad
     op = "mx_grouped_linear"
-    check_layer_args(op, x, "x", weight, "(E, N, K)", recipe, name)
     shown = cache.weight_name(weight) if name is None else name
     if x.dim() != 2:
         raise ValueError(
