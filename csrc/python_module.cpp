@@ -4,12 +4,8 @@
 // needs no libtorch_python.
 #include <Python.h>
 
-#include <ATen/Parallel.h>
-
 #include <cstdint>
-#include <cstring>
 #include <exception>
-#include <functional>
 
 #include "common/digest.h"
 #include "common/names.h"
@@ -50,7 +46,7 @@ PyObject* cpu_free_matmul_workspace(PyObject*, PyObject*) {
 }
 
 // The digest (common/digest.h) of `nbytes` bytes at `addr` (a contiguous CPU tensor's data,
-// read, never written). Threads: at::parallel_reduce, without the GIL.
+// read, never written), without the GIL.
 PyObject* bits_digest(PyObject*, PyObject* args) {
   unsigned long long addr = 0;
   long long nbytes = 0;
@@ -64,11 +60,9 @@ PyObject* bits_digest(PyObject*, PyObject* args) {
   }
   const auto* p = reinterpret_cast<const unsigned char*>(addr);
   uint64_t h = 0;
-  Py_BEGIN_ALLOW_THREADS h = at::parallel_reduce(
-      int64_t{0}, nbytes / 8, int64_t{1} << 15, uint64_t{0},
-      [&](int64_t b, int64_t e, uint64_t acc) { return acc + zrw::digest::words(p, b, e); },
-      std::plus<uint64_t>());
-  Py_END_ALLOW_THREADS h = zrw::digest::finish(h, p, nbytes);
+  Py_BEGIN_ALLOW_THREADS;
+  h = zrw::digest::of(p, nbytes);
+  Py_END_ALLOW_THREADS;
   return PyLong_FromUnsignedLongLong(h);
 }
 

@@ -27,7 +27,6 @@
 // The kernels are registered for CompositeExplicitAutograd: quantization is called through the
 // dispatcher, so the cache works for any device that has the zrw quantization kernels.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
@@ -481,13 +480,8 @@ class WeightCache {
   // parallel region measured slower than torch's own parallel copy followed by this.)
   static uint64_t copy_and_digest(const at::Tensor& dst, const at::Tensor& src) {
     dst.copy_(src);
-    const int64_t nbytes = dst.numel() * dst.element_size();
-    const auto* base = static_cast<const unsigned char*>(dst.const_data_ptr());
-    const uint64_t acc = at::parallel_reduce(
-        int64_t{0}, nbytes / 8, int64_t{1} << 15, uint64_t{0},
-        [&](int64_t b, int64_t e, uint64_t sum) { return sum + digest::words(base, b, e); },
-        std::plus<uint64_t>());
-    return digest::finish(acc, base, nbytes);
+    return digest::of(static_cast<const unsigned char*>(dst.const_data_ptr()),
+                      dst.numel() * dst.element_size());
   }
 
   // The master a released weight's entry holds (keep_released), or nothing.
