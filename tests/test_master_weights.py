@@ -272,8 +272,42 @@ def test_the_write_digest_sees_every_kind_of_change():
     assert cache.weight_digest(t[::2]) is None  # not contiguous: the caller compares the bits
 
 
+def test_the_digest_sees_sign_flips_that_cancel_in_a_linear_sum():
+    """Two elements at the same place of two 8-byte words (bf16 elements 3 and 7: each word's
+    top bit) negated in opposite directions. A sum of words mixed by fixed multiplies misses
+    this about half the time (its change is +c for one word and -c for the other); the NH lanes
+    (csrc/common/digest_words.h) see every case, in every ISA build this process runs."""
+    from zrw import cache
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        t = torch.randn(64, generator=g).to(torch.bfloat16)
+        t[3], t[7] = t[3].abs(), -t[7].abs()
+        other = t.clone()
+        other[3], other[7] = -t[3], -t[7]
+        assert cache.weight_digest(other) != cache.weight_digest(t)
+
+
+def test_a_data_write_of_two_opposite_sign_flips_reaches_the_master():
+    """The user-level form of the case above: `.data` negates two elements of opposite signs
+    (no version bump); the next step's master holds the written values."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    with torch.no_grad():
+        p[0, 3], p[0, 7] = p[0, 3].abs() + 0.5, -p[0, 7].abs() - 0.5
+    opt = MasterWeights(torch.optim.SGD, [p], lr=0.0)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    p.data[0, 3] = -p.data[0, 3]
+    p.data[0, 7] = -p.data[0, 7]
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(opt.masters[0][0].to(torch.bfloat16), p.detach())
+    assert opt.masters[0][0][0, 3].item() < 0 < opt.masters[0][0][0, 7].item()
+
+
 def test_the_digest_is_the_same_in_every_isa_build():
-    """The digest loop is compiled per instruction set (csrc/common/digest.cpp): every build
+    """The digest loop is compiled per instruction set (csrc/common/digest_kernel.cpp): every build
     this CPU runs, forced with ZRW_CPU_ISA in its own process, gives the same digests, for
     lengths that end inside an 8-byte word and past one thread's share."""
     import json

@@ -26,6 +26,7 @@ struct Choice {
   DequantizeFn dequantize_per_element;
   DequantizeBf16Fn dequantize_row_blocks_bf16;
   DequantizeBf16Fn dequantize_per_element_bf16;
+  void (*digest_words)(const unsigned char*, int64_t, int64_t, uint64_t*);
 };
 
 bool cpu_has(const char* isa) {
@@ -46,14 +47,14 @@ Choice pick() {
 #if defined(ZRW_HAVE_X86_ISAS)
       {"avx512", &avx512::quantize_matrices, &avx512::dequantize_row_blocks,
        &avx512::dequantize_per_element, &avx512::dequantize_row_blocks_bf16,
-       &avx512::dequantize_per_element_bf16},
+       &avx512::dequantize_per_element_bf16, &avx512::digest_words},
       {"avx2", &avx2::quantize_matrices, &avx2::dequantize_row_blocks,
        &avx2::dequantize_per_element, &avx2::dequantize_row_blocks_bf16,
-       &avx2::dequantize_per_element_bf16},
+       &avx2::dequantize_per_element_bf16, &avx2::digest_words},
 #endif
       {"base", &base::quantize_matrices, &base::dequantize_row_blocks,
        &base::dequantize_per_element, &base::dequantize_row_blocks_bf16,
-       &base::dequantize_per_element_bf16},
+       &base::dequantize_per_element_bf16, &base::digest_words},
   };
   if (const char* forced = std::getenv("ZRW_CPU_ISA"); forced && *forced) {
     for (const auto& c : choices) {
@@ -162,6 +163,10 @@ void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data, const u
 void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                                  int64_t n, uint16_t* out) {
   chosen().dequantize_per_element_bf16(fmt, data, scales, n, out);
+}
+
+void digest_words(const unsigned char* base, int64_t begin, int64_t end, uint64_t sums[2]) {
+  chosen().digest_words(base, begin, end, sums);
 }
 
 }  // namespace zrw::cpu

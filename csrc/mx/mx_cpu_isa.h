@@ -42,6 +42,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
                                   int64_t n, uint16_t* out);                                       \
   void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales, \
                                    int64_t n, uint16_t* out);                                      \
+  void digest_words(const unsigned char* base, int64_t begin, int64_t end, uint64_t sums[2]);      \
   }
 ZRW_DECLARE_CPU_ISA(base)
 ZRW_DECLARE_CPU_ISA(avx2)

@@ -76,5 +76,8 @@ void dequantize_row_blocks_bf16(mx::ElemFormat fmt, const uint8_t* data, const u
                                 int64_t n, uint16_t* out);
 void dequantize_per_element_bf16(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,
                                  int64_t n, uint16_t* out);
+// The digest's two lane sums over words [begin, end) of `base` (common/digest_words.h), by the
+// chosen build.
+void digest_words(const unsigned char* base, int64_t begin, int64_t end, uint64_t sums[2]);
 
 }  // namespace zrw::cpu
