@@ -335,3 +335,29 @@ def test_capturable_on_cpu_is_refused_at_construction_and_in_add_param_group():
     assert cache.master_of(q) is None
     opt.add_param_group({"params": [q]})  # the same group without it is taken
     assert len(opt.inner.param_groups) == 2 and cache.master_of(q) is opt.masters[1][0]
+
+
+# -m slow: the default run checks the same property on the small converted Net above in both
+# recipes (test_release_on_equals_release_off); this is the case, a tiny Qwen3 (dense,
+# and MoE with its 3-D expert stacks, whose moments torchao quantizes too), where torchao
+# compiles its step for every distinct parameter shape (~40 s on 2 cores).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_qwen3_with_fp8_moments_release_on_equals_release_off(kind):
+    from helpers.models import assert_same_weights, make_batches, make_model, weights
+    from helpers.models import train as train_hf
+
+    batches = make_batches(3, MICRO)
+    runs = {}
+    for release in (True, False):
+        cache.cache_clear()
+        model = make_model(kind)
+        zrw.convert(model, "mxfp8-32x32", release=release)
+        opt = zrw.optim.AdamW(model.parameters(), lr=1e-3, state_dtype="fp8")
+        runs[release] = (train_hf(model, opt, batches), weights(model), state_tensors(opt))
+        kinds = {type(s["exp_avg"]).__name__ for s in opt.inner.state.values()}
+        del model, opt
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert_same_weights(runs[True][1], runs[False][1], f"qwen3 {kind} fp8 moments")
+    assert_bitwise(runs[True][2], runs[False][2], f"qwen3 {kind} fp8 moments state")
+    assert kinds == {"OptimStateFp8", "Tensor"}
