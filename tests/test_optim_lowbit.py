@@ -361,3 +361,63 @@ def test_qwen3_with_fp8_moments_release_on_equals_release_off(kind):
     assert_same_weights(runs[True][1], runs[False][1], f"qwen3 {kind} fp8 moments")
     assert_bitwise(runs[True][2], runs[False][2], f"qwen3 {kind} fp8 moments state")
     assert kinds == {"OptimStateFp8", "Tensor"}
+
+
+# -m slow: zrw.optim.AdamW(state_dtype=...) built by Hugging Face's Trainer from
+# optimizer_cls_and_kwargs (its linear schedule on torchao's tensor lr, its optimizer.pt
+# checkpoint of the quantized states); the default run checks release on = off and the resume
+# on the small Net, and tests/hf the Trainer with FP32 moments.
+@pytest.mark.slow
+def test_trainer_with_fp8_moments_release_on_equals_off_and_resumes(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from helpers.models import make_model
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def run(out, release, resume=None):
+        cache.cache_clear()
+        model = make_model("dense")
+        zrw.convert(model, "mxfp8-32x32", release=release)
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=4,
+            learning_rate=1e-3,
+            lr_scheduler_type="linear",
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            data_seed=0,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(),
+            optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3, "state_dtype": "fp8"}),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        assert type(trainer.optimizer.optimizer.inner) is ao.AdamWFp8
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        return logs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    on, off = run(tmp_path / "on", True), run(tmp_path / "off", False)
+    assert on[0] == off[0] and len(on[0]) == 4
+    assert_bitwise(on[1], off[1], "Trainer fp8 moments")
+    resumed = run(tmp_path / "resumed", True, resume=str(tmp_path / "on" / "checkpoint-2"))
+    assert resumed[0] == on[0]  # the checkpoint's 2 logged steps, then the 2 resumed ones
+    assert_bitwise(resumed[1], on[1], "Trainer fp8 moments resumed")
