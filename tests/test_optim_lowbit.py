@@ -260,6 +260,34 @@ def test_masters_step_as_the_optimizer_on_fp32_copies(inner):
         assert_bitwise(mine, theirs, f"{inner} step {step} state")
 
 
+@pytest.mark.parametrize("inner", sorted(LOW_BIT))
+def test_add_param_group_and_clipping_with_a_low_bit_inner(inner):
+    """A group added later is stepped with its own lr (torchao makes it a tensor, the outer group
+    shows the same one) and max_grad_norm clips the FP32 gradients as
+    torch.nn.utils.clip_grad_norm_ clips those of the plain optimizer's FP32 copies."""
+    cls, kw = INNERS[inner]
+    g = torch.Generator().manual_seed(0)
+    p, q = (torch.nn.Parameter(torch.randn(64, 64, generator=g).to(BF16)) for _ in range(2))
+    rp, rq = (torch.nn.Parameter(t.detach().float()) for t in (p, q))
+    opt = attach(MasterWeights(cls, [p], lr=LR, max_grad_norm=1.0, **kw))
+    ref = cls([rp], lr=LR, **kw)
+    opt.add_param_group({"params": [q], "lr": 5e-3, "weight_decay": 0.0})
+    ref.add_param_group({"params": [rq], "lr": 5e-3, "weight_decay": 0.0})
+    assert opt.param_groups[1]["lr"] is opt.inner.param_groups[1]["lr"]
+    assert float(opt.param_groups[1]["lr"]) == pytest.approx(5e-3)
+    for _ in range(3):
+        gp, gq = (torch.randn(64, 64, generator=g).to(BF16) for _ in range(2))
+        p.grad, q.grad, rp.grad, rq.grad = gp, gq, gp.float(), gq.float()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_([rp, rq], 1.0)
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert opt.last_grad_norm > 1.0  # it did clip
+    assert torch.equal(opt.masters[0][0], rp.detach())
+    assert torch.equal(opt.masters[1][0], rq.detach())
+
+
 @pytest.mark.parametrize(
     "state_dtype, expected",
     [
