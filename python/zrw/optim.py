@@ -166,11 +166,14 @@ def _refuse_inner(inner: torch.optim.Optimizer, start: int = 0) -> None:
             supported = _device_kinds(kind)
             bad = [d for d in devices if supported is not None and d not in supported]
             if bad:
+                cpu_hint = (
+                    " (fused=True runs on CPU)" if kind == "capturable" and bad == ["cpu"] else ""
+                )
                 raise ValueError(
                     f"MasterWeights: {name}({kind}=True) in param group {gi} needs its "
                     f"parameters on {supported}, but the FP32 masters are on {bad} (their "
                     f"parameters' device): torch's step would fail at the first step. Pass "
-                    f"{kind}=False" + (" (fused=True runs on CPU)" if kind == "capturable" else "")
+                    f"{kind}=False{cpu_hint}"
                 )
 
 
