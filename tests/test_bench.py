@@ -303,6 +303,17 @@ def test_bench_step_ledger_rows_agree_with_their_arithmetic(step_run):
     assert goal["static_vs_baseline"] == goal["static_per_n"] / led["bf16"]["static_per_n"]
 
 
+def test_bench_step_ledger_rows_are_checked_by_name():
+    out = subprocess.run(
+        [sys.executable, "-m", "zrw.bench", "step", "--ledger", "bf16,fp4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--ledger: unknown row(s) ['fp4']" in out.stderr and "bf16-free-32x32-fp8" in out.stderr
+
+
 def test_bench_linear_json():
     r = run_bench(
         "linear",
