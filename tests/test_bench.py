@@ -208,10 +208,16 @@ def test_bench_quant_every_kernel_build_in_its_own_process():
     assert "--isa: unknown kernel build(s) ['sse9000']" in bad.stderr
 
 
-def test_bench_step_json_memory_in_units_of_n():
-    r = run_bench(
+@pytest.fixture(scope="module")
+def step_run():
+    """`bench step` at a tiny size, once for the tests of its tables and of its ledger."""
+    return run_bench(
         "step", "--dim", "128", "--layers", "4", "--tokens", "8", "--micro", "1", "--steps", "2"
     )
+
+
+def test_bench_step_json_memory_in_units_of_n(step_run):
+    r = step_run
     for foreach in ("False", "True"):
         runs = r["foreach"][foreach]
         n = runs["cache"]["n"]
@@ -226,6 +232,86 @@ def test_bench_step_json_memory_in_units_of_n():
         # mx_matmul's tile workspace is live in every mode, the same bytes (the same GEMMs)
         ws = {m: x["matmul_workspace_bytes"] for m, x in runs.items()}
         assert len(set(ws.values())) == 1 and ws["cache"] > 0, ws
+
+
+# The ledger's measured live bytes of each phase must equal its arithmetic within this many
+# bytes per converted element (a byte count, not a timing: here they agree to the byte).
+LEDGER_TOLERANCE_PER_N = 0.01
+
+
+def test_bench_step_ledger_rows_agree_with_their_arithmetic(step_run):
+    """Every row of the memory ledger (issue 31): the bytes zrw.memory counted when the optimizer
+    step begins (the forward/backward window's end) and when the inner optimizer starts equal the
+    arithmetic printed beside them, and that arithmetic is the terms computed here from the
+    shapes: BF16 weight 2, BF16 grad 2, FP32 grad 4, FP32 master 4, AdamW's moments 8 (FP32) or
+    torchao's blocks (codes, an FP32 scale per block, the 8/4-bit code table), the cache's FP8
+    copy (mxfp8: two planes with a scale per 32; 32x32: one plane, the tile scales and their two
+    per-axis expansions), a 4-byte step counter per weight (and torchao's lr tensor)."""
+    led = step_run["ledger"]
+    dim, layers = 128, 4
+    numel, n = dim * dim, layers * dim * dim
+    assert list(led) == [
+        "bf16",
+        "restore-mxfp8",
+        "bf16-free-mxfp8",
+        "bf16-free-32x32",
+        "bf16-free-32x32-int8",
+        "bf16-free-32x32-fp8",
+        "bf16-free-32x32-int4",
+    ]
+    blocks = dim // 32
+    fp8 = {
+        "mxfp8": (2 * numel + 2 * dim * blocks) / numel,
+        "mxfp8-32x32": (numel + 2 * dim * blocks + blocks * blocks) / numel,
+    }
+    moments = {
+        "fp32": 8.0,
+        "int8": 2 * (numel + 4 * numel // 256 + 4 * 256) / numel,
+        "fp8": 2 * (numel + 4 * numel // 256) / numel,
+        "int4": 2 * (numel // 2 + 4 * numel // 128 + 4 * 16) / numel,
+    }
+    for name, x in led.items():
+        low = name.rsplit("-", 1)[1] if "32x32-" in name else "fp32"
+        recipe = "mxfp8-32x32" if "32x32" in name else "mxfp8" if name != "bf16" else None
+        counters = (4 * layers + (4 if low != "fp32" else 0)) / n
+        common = {"FP32 masters": 4.0, f"{low} moments": moments[low], "step counters": counters}
+        window = {"BF16 grads": 2.0, **common}
+        step = {"FP32 grads": 4.0, **common}
+        if name == "bf16":
+            window["BF16 weights"] = step["BF16 weights"] = 2.0
+        else:
+            window["FP8 copies"] = fp8[recipe]
+        if name.startswith("restore"):  # the seed's restore keeps them through the inner step
+            step["FP8 copies"] = fp8[recipe]
+        a = x["arithmetic"]
+        assert a["window"] == pytest.approx(window, abs=1e-12), name
+        assert a["step"] == pytest.approx(step, abs=1e-12), name
+        assert x["n"] == n
+        tol = LEDGER_TOLERANCE_PER_N
+        assert abs(x["window_live_per_n"] - a["window_total"]) <= tol, (name, x)
+        assert abs(x["step_live_per_n"] - a["step_total"]) <= tol, (name, x)
+        assert x["window_peak_per_n"] >= x["window_live_per_n"] - tol, name
+        assert x["step_peak_per_n"] >= x["step_live_per_n"] - tol, name
+        # the cache held exactly the FP8 bytes counted
+        assert x["fp8_bytes_per_n"] == pytest.approx(window.get("FP8 copies", 0.0), abs=1e-12)
+        assert x["static_per_n"] == max(x["window_live_per_n"], x["step_live_per_n"])
+    # the baseline's 18 N is its optimizer step: weight 2 + FP32 grads 4 + masters 4 + moments 8
+    assert abs(led["bf16"]["static_per_n"] - 18.0) <= 0.01
+    # the issue's goal, measured: the BF16-free 32x32 step with FP8 moments at most 11 N static
+    goal = led["bf16-free-32x32-fp8"]
+    assert goal["static_per_n"] <= 11.0
+    assert goal["static_vs_baseline"] == goal["static_per_n"] / led["bf16"]["static_per_n"]
+
+
+def test_bench_step_ledger_rows_are_checked_by_name():
+    out = subprocess.run(
+        [sys.executable, "-m", "zrw.bench", "step", "--ledger", "bf16,fp4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--ledger: unknown row(s) ['fp4']" in out.stderr and "bf16-free-32x32-fp8" in out.stderr
 
 
 def test_bench_linear_json():

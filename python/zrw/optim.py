@@ -23,6 +23,7 @@ zrw boundary raises before it touches its state.
 from __future__ import annotations
 
 import copy
+import inspect
 import multiprocessing.context
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -121,6 +122,61 @@ def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def _device_kinds(kind: str) -> Optional[List[str]]:
+    """The device types on which torch's optimizers run with capturable=True / fused=True
+    (torch's own lists; None where this torch has none to ask)."""
+    try:
+        if kind == "capturable":
+            from torch.optim.optimizer import _get_capturable_supported_devices
+
+            return list(_get_capturable_supported_devices())
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return list(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - a torch without the private helpers
+        return None
+
+
+def _refuse_inner(inner: torch.optim.Optimizer, start: int = 0) -> None:
+    """The inner optimizers whose step cannot compose with FP32 masters on their device are
+    refused here, at construction (or add_param_group), by name: their own step would fail at
+    the first step, or do something else than asked, silently (docs/design.md §5).
+
+    - torchao's low-bit AdamW with bf16_stochastic_round=True: it rounds BF16 *parameters*
+      stochastically; the inner optimizer here steps FP32 masters, where torchao skips it, and
+      the write-back rounds each master to the nearest BF16 (the release-off run's bits). The
+      flag would be a silent no-op.
+    - capturable=True / fused=True on a device torch has no such kernel for (capturable is
+      CUDA/XPU/HPU/XLA only: on CPU torch's step asserts at the first step)."""
+    name = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    if getattr(inner, "bf16_stochastic_round", False) is True:
+        raise ValueError(
+            f"MasterWeights: {name}(bf16_stochastic_round=True) rounds BF16 parameters "
+            "stochastically, but here it steps the FP32 masters (where torchao skips the "
+            "rounding) and each BF16 weight is the round-to-nearest of its master: the flag "
+            "would do nothing. Pass bf16_stochastic_round=False (the masters keep the "
+            "precision the rounding was meant to recover)"
+        )
+    for gi in range(start, len(inner.param_groups)):
+        group = inner.param_groups[gi]
+        devices = sorted({m.device.type for m in group["params"]})
+        for kind in ("capturable", "fused"):
+            if group.get(kind) is not True:
+                continue
+            supported = _device_kinds(kind)
+            bad = [d for d in devices if supported is not None and d not in supported]
+            if bad:
+                cpu_hint = (
+                    " (fused=True runs on CPU)" if kind == "capturable" and bad == ["cpu"] else ""
+                )
+                raise ValueError(
+                    f"MasterWeights: {name}({kind}=True) in param group {gi} needs its "
+                    f"parameters on {supported}, but the FP32 masters are on {bad} (their "
+                    f"parameters' device): torch's step would fail at the first step. Pass "
+                    f"{kind}=False{cpu_hint}"
+                )
+
+
 class MasterWeights(torch.optim.Optimizer):
     """A torch optimizer over (BF16) parameters that steps FP32 masters of them.
 
@@ -215,6 +271,7 @@ class MasterWeights(torch.optim.Optimizer):
                 f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
                 f"torch.optim.Optimizer, got {type(self.inner).__name__}"
             )
+        _refuse_inner(self.inner)
         # The outer groups take the inner optimizer's defaults (lr, betas, ...), so that what a
         # scheduler reads and writes is there; their params are the model's.
         super().__init__(groups, dict(self.inner.defaults))
@@ -271,10 +328,24 @@ class MasterWeights(torch.optim.Optimizer):
                 og[k] = v
 
     def _push_hyperparameters(self) -> None:
-        """outer -> inner: what a scheduler or the user changed since the last step."""
+        """outer -> inner: what a scheduler or the user changed since the last step. An inner
+        optimizer that keeps a hyper-parameter as a tensor (torchao's low-bit AdamW keeps `lr`
+        as one, and refuses a number there) gets a number written into its tensor; the outer
+        group holds that same tensor again (schedulers fill it in place)."""
         for og, ig in zip(self.param_groups, self.inner.param_groups):
             for k, v in _hyper(og).items():
-                ig[k] = v
+                cur = ig.get(k)
+                if (
+                    isinstance(cur, torch.Tensor)
+                    and not isinstance(v, torch.Tensor)
+                    and isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                    and cur.numel() == 1
+                ):
+                    cur.fill_(v)
+                    og[k] = cur
+                else:
+                    ig[k] = v
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if self._ready and isinstance(param_group, dict) and "params" in param_group:
@@ -291,6 +362,12 @@ class MasterWeights(torch.optim.Optimizer):
             masters = self._make_masters(group["params"])
             self.inner.add_param_group({**_hyper(group), "params": masters})
         except Exception:
+            self.param_groups.pop()
+            raise
+        try:
+            _refuse_inner(self.inner, len(self.inner.param_groups) - 1)
+        except Exception:
+            self.inner.param_groups.pop()
             self.param_groups.pop()
             raise
         self.masters.append(self.inner.param_groups[-1]["params"])
@@ -676,6 +753,62 @@ class MasterWeights(torch.optim.Optimizer):
             post_hook(self)
 
 
+# zrw.optim.AdamW(state_dtype=...): the AdamW that steps the masters, by the dtype of its moments.
+STATE_DTYPES: Dict[Optional[str], str] = {
+    None: "torch.optim.AdamW",
+    "fp32": "torch.optim.AdamW",
+    "int8": "torchao.optim.AdamW8bit",
+    "fp8": "torchao.optim.AdamWFp8",
+    "int4": "torchao.optim.AdamW4bit",
+}
+
+
+def adamw_class(state_dtype: Optional[str], kwargs: Optional[Dict[str, Any]] = None) -> type:
+    """The optimizer class zrw.optim.AdamW(state_dtype=...) steps its masters with
+    (STATE_DTYPES); `kwargs`, the extra keyword arguments meant for it, are checked against its
+    signature so that one it does not take is refused by name (torch's foreach / fused /
+    capturable with a torchao class, torchao's block_size with torch's)."""
+    op = "zrw.optim.AdamW"
+    if state_dtype is not None and not isinstance(state_dtype, str):
+        raise TypeError(
+            f"{op}: state_dtype must be None or a str, one of {list(STATE_DTYPES)}, got "
+            f"{type(state_dtype).__name__}"
+        )
+    if state_dtype not in STATE_DTYPES:
+        hint = (
+            " (torch's AdamW keeps its moments in the masters' dtype, FP32, and torchao has no "
+            "BF16-moment AdamW: 'fp8' or 'int8' keep them in 1 byte)"
+            if state_dtype in ("bf16", "bfloat16", "fp16", "float16")
+            else ""
+        )
+        raise ValueError(
+            f"{op}: state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}{hint}"
+        )
+    path = STATE_DTYPES[state_dtype]
+    if path == "torch.optim.AdamW":
+        cls = torch.optim.AdamW
+    else:
+        try:
+            import torchao.optim as ao  # optional: only the low-bit states need it
+        except ImportError as e:
+            raise ImportError(
+                f"{op}: state_dtype={state_dtype!r} steps the masters with {path}, and "
+                f"torchao is not installed ({e}); install torchao, or pass state_dtype=None"
+            ) from e
+        cls = getattr(ao, path.rsplit(".", 1)[1])
+    if kwargs:
+        takes = inspect.signature(cls).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+            extra = sorted(k for k in kwargs if k not in takes)
+            if extra:
+                own = [k for k, p in takes.items() if p.kind is p.KEYWORD_ONLY]
+                raise TypeError(
+                    f"{op}: {', '.join(f'{k}=' for k in extra)} is not an argument of {path} "
+                    f"(state_dtype={state_dtype!r}); its own keyword arguments: {own}"
+                )
+    return cls
+
+
 class AdamW(MasterWeights):
     """torch.optim.AdamW on FP32 masters with the zrw boundary attached on construction: the
     ready optimizer of zero-redundancy weights, with the BF16-free step (keep_released=True).
@@ -684,7 +817,17 @@ class AdamW(MasterWeights):
     so that the paths that build an optimizer from a class and its keyword arguments work:
     Hugging Face Trainer's `optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": ...})` (param
     groups with and without weight decay), `optimizers=(zrw.optim.AdamW(model.parameters()),
-    None)`, accelerate's `prepare`. torch's defaults (lr 1e-3, weight_decay 1e-2)."""
+    None)`, accelerate's `prepare`. torch's defaults (lr 1e-3, weight_decay 1e-2).
+
+    `state_dtype` picks the AdamW that steps the masters, and with it the bytes of its two
+    moments per weight element (STATE_DTYPES): None or "fp32", torch.optim.AdamW (8 bytes);
+    "int8", torchao.optim.AdamW8bit; "fp8", torchao.optim.AdamWFp8 (2 bytes and a 4-byte scale
+    per block of 256); "int4", torchao.optim.AdamW4bit (1 byte, a scale per 128). The same
+    update rule and defaults; torchao keeps the moments of a tensor with fewer than 4096
+    elements, or one not a multiple of its block, in FP32. Further keyword arguments go to that
+    class (torch's foreach / fused; torchao's block_size), and one it does not take is refused
+    by name. It is `MasterWeights(cls, params, ...)` with the boundary attached: nothing else
+    changes (docs/training.md, "Low-bit optimizer states")."""
 
     def __init__(
         self,
@@ -697,10 +840,11 @@ class AdamW(MasterWeights):
         *,
         keep_released: bool = True,
         max_grad_norm: Optional[float] = None,
+        state_dtype: Optional[str] = None,
         **kwargs: Any,
     ):
         super().__init__(
-            torch.optim.AdamW,
+            adamw_class(state_dtype, kwargs),
             params,
             keep_released=keep_released,
             max_grad_norm=max_grad_norm,
