@@ -12,6 +12,15 @@ as long as the caller keeps it. The calls here never hold more than one material
   materialize(p, master)          one released weight's exact value (bf16 of its master), as
                                   the zrw layers' state_dict() and pickling also make it
 
+The training grid exported (docs/export.md): each converted weight's forward MXFP8 plane, byte
+for byte, as torchao's MX inference tensor (MXTensor), the rest of the state dict as it is:
+
+  export_mx(model, path=None)     the state dict with MXTensor weights, or (path) a safetensors
+                                  file in torchao's format, written tensor by tensor
+  iter_mx_state_dict(model)       its (name, tensor) pairs, one MX weight copied at a time
+  load_mx(model, path)            such a file into an unconverted model of the architecture
+  save_mx_pretrained(model, dir)  a directory transformers' from_pretrained loads (TorchAoConfig)
+
 Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
 allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
 """
@@ -257,6 +266,7 @@ def _write_file(path: str, header: Dict[str, object], names, produce) -> None:
 # bytes to torchao unchanged; nothing is re-quantized with torchao's rule.
 
 _KERNELS = ("emulated", "auto")
+_EXPERTS = ("refuse", "bf16")
 _SCALE_DTYPE = torch.float8_e8m0fnu
 _MX_FILE_DTYPES = {**_DTYPES, _SCALE_DTYPE: "F8_E8M0"}
 
@@ -293,7 +303,18 @@ class _MXEntry:
         self.name, self.module, self.param, self.recipe = name, module, param, recipe
 
 
-def _mx_plan(op: str, model: torch.nn.Module) -> Tuple[Dict[str, Tensor], Dict[str, _MXEntry]]:
+def _check_experts(op: str, experts) -> str:
+    if not isinstance(experts, str) or experts not in _EXPERTS:
+        raise ValueError(
+            f"{op}: experts must be one of {_EXPERTS} (what to do with 3-d expert stacks, "
+            f"which torchao's MXTensor cannot serve in transformers' experts), got {experts!r}"
+        )
+    return experts
+
+
+def _mx_plan(
+    op: str, model: torch.nn.Module, experts: str = "refuse"
+) -> Tuple[Dict[str, Tensor], Dict[str, _MXEntry]]:
     """model.state_dict() (released weights as themselves) and, by state-dict name, the
     converted weights to export as MX; every refusal is raised here, before anything is
     quantized, built or written."""
@@ -325,6 +346,7 @@ def _mx_plan(op: str, model: torch.nn.Module) -> Tuple[Dict[str, Tensor], Dict[s
                     "name, MX or not, so the tie would not survive a load. Keep the tied "
                     "module in high precision (zrw.convert(..., skip=[...])) or untie it"
                 )
+    stacks: list = []
     for name, e in mx.items():
         p = e.param
         if "." not in name:
@@ -346,10 +368,19 @@ def _mx_plan(op: str, model: torch.nn.Module) -> Tuple[Dict[str, Tensor], Dict[s
             )
         if p.is_meta:
             raise ValueError(f"{op}: weight '{name}' is on the meta device (no data to export)")
-        if p.dim() not in (2, 3):
+        if p.dim() == 3:
+            if experts == "bf16":
+                stacks.append(name)
+                continue
             raise ValueError(
-                f"{op}: weight '{name}' must be (N, K) or (E, N, K), got shape {tuple(p.shape)}"
+                f"{op}: weight '{name}' is a 3-d expert stack {tuple(p.shape)}: torchao 0.18's "
+                "MXTensor runs linear layers only (transformers' experts forward transposes the "
+                "stack and calls grouped_mm, which MXTensor does not implement). Pass "
+                "experts='bf16' to export the stacks as their exact BF16 values (not the "
+                "training grid), or keep them out of zrw.convert"
             )
+        if p.dim() != 2:
+            raise ValueError(f"{op}: weight '{name}' must be (N, K), got shape {tuple(p.shape)}")
         if p.shape[-1] % 32 != 0:
             raise ValueError(
                 f"{op}: weight '{name}' has K = {p.shape[-1]} (shape {tuple(p.shape)}), not a "
@@ -361,6 +392,10 @@ def _mx_plan(op: str, model: torch.nn.Module) -> Tuple[Dict[str, Tensor], Dict[s
                 f"{op}: weight '{name}' has dtype {p.dtype}: torchao's MX tensors dequantize to "
                 "bfloat16 or float32 only"
             )
+    for name in stacks:
+        del mx[name]
+    if not mx:
+        raise ValueError(f"{op}: model has no converted 2-d weights to export as MX")
     return plan, mx
 
 
@@ -416,7 +451,7 @@ def _mx_tensor(op: str, e: _MXEntry, data: Tensor, scale: Tensor, kernel: str):
 
 
 def iter_mx_state_dict(
-    model: torch.nn.Module, kernel: str = "emulated"
+    model: torch.nn.Module, *, kernel: str = "emulated", experts: str = "refuse"
 ) -> Iterator[Tuple[str, Tensor]]:
     """(name, tensor) for every entry of `model.state_dict()`, in its order, each converted
     weight as torchao's MXTensor holding zrw's forward plane: E4M3 codes and E8M0 block scales
@@ -426,7 +461,7 @@ def iter_mx_state_dict(
     the call, before anything is iterated."""
     op = "zrw.checkpoint.iter_mx_state_dict"
     _check_kernel(op, kernel)
-    plan, mx = _mx_plan(op, model)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
     _torchao(op)
 
     def entries() -> Iterator[Tuple[str, Tensor]]:
@@ -443,7 +478,9 @@ def iter_mx_state_dict(
 def export_mx(
     model: torch.nn.Module,
     path: "str | os.PathLike | None" = None,
+    *,
     kernel: str = "emulated",
+    experts: str = "refuse",
 ) -> Optional[Dict[str, Tensor]]:
     """Export the training grid: each converted weight's forward MXFP8 plane as torchao's
     MX inference tensor (MXTensor), every other entry of the state dict as it is (BF16).
@@ -469,10 +506,10 @@ def export_mx(
     _check_kernel(op, kernel)
     if path is not None:
         path = _checked_path(op, path)
-    plan, mx = _mx_plan(op, model)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
     _torchao(op)
     if path is None:
-        return dict(iter_mx_state_dict(model, kernel))
+        return dict(iter_mx_state_dict(model, kernel=kernel, experts=experts))
     _write_mx_file(op, path, plan, mx, kernel, {})
     return None
 
@@ -613,7 +650,11 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
 
 
 def save_mx_pretrained(
-    model: torch.nn.Module, save_directory: "str | os.PathLike", kernel: str = "emulated"
+    model: torch.nn.Module,
+    save_directory: "str | os.PathLike",
+    *,
+    kernel: str = "emulated",
+    experts: str = "refuse",
 ) -> None:
     """Write a Hugging Face model directory that `from_pretrained` loads as torchao's MX
     inference model: `config.json` with `quantization_config` = TorchAoConfig(
@@ -623,7 +664,7 @@ def save_mx_pretrained(
     model (it has `config.save_pretrained`); its own config is left unchanged."""
     op = "zrw.checkpoint.save_mx_pretrained"
     _check_kernel(op, kernel)
-    plan, mx = _mx_plan(op, model)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
