@@ -336,8 +336,8 @@ def _mx_plan(
             "(zrw.convert(model, recipe)), or save BF16 with zrw.checkpoint.save_safetensors"
         )
     by_tensor: Dict[int, str] = {}
-    for name, t in plan.items():
-        if isinstance(t, Tensor):
+    for name, t in model.named_parameters(remove_duplicate=False):
+        if name in plan:
             first = by_tensor.setdefault(id(t), name)
             if first != name and (first in mx or name in mx):
                 raise ValueError(
