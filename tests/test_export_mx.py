@@ -387,3 +387,42 @@ def test_load_mx_refuses_a_converted_model_and_a_plain_file(tmp_path):
     with pytest.raises(ValueError, match=r"MX weight 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
         load_mx(other, path)
     del opt
+
+
+def test_refuses_a_weight_whose_recipe_changed_while_released(tmp_path):
+    """The layer's recipe changed while its weight is released with a copy of the old one:
+    named before the file is opened (an existing file survives)."""
+    model, opt, ids, layers = trained("mxfp8", steps=1)
+    model(input_ids=ids, labels=ids).loss.backward()  # released, with their copies
+    layer = next(iter(layers.values()))[0]
+    layer.recipe = zrw.get_recipe("mxfp8", scale_mode="floor")
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(b"the old file")
+    with pytest.raises(
+        ValueError,
+        match=r"weight 'model\.layers\.0\.self_attn\.q_proj\.weight' "
+        r"is released with its FP8 copy made as",
+    ):
+        export_mx(model, path)
+    assert path.read_bytes() == b"the old file"
+    del opt
+
+
+def test_exports_a_released_weight_without_a_master():
+    """Mid-step under a plain optimizer (restore by dequantization at its step, no FP32 master):
+    save_safetensors cannot materialize the released BF16 weights, but their FP8 copy is what
+    the export needs, and it is exported."""
+    model = tiny_qwen3()
+    zrw.convert(model)
+    opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1), fill="dequant")
+    ids = torch.randint(0, 128, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if is_zrw_layer(m)}
+    assert all(cache.is_released(m.weight) for m in layers.values())
+    assert all(cache.master_of(m.weight) is None for m in layers.values())
+    exported = export_mx(model)
+    for name, layer in layers.items():
+        q = cached_planes(layer, layer.weight)
+        assert torch.equal(u8(exported[name].qdata), u8(q.fwd.data)), name
+        assert torch.equal(u8(exported[name].scale), u8(q.fwd.scale)), name
+    del opt

@@ -41,6 +41,7 @@ from torch import Tensor
 from . import cache
 from ._dtensor import is_dtensor, local_tensor
 from .planes import MXPlanesCarrier, is_zrw_layer
+from .record import find_record
 
 # zrw.state_dict (one level down, where the layers' state-dict logic lives) holds these; this
 # module is their public home.
@@ -386,6 +387,20 @@ def _mx_plan(
                 f"{op}: weight '{name}' has K = {p.shape[-1]} (shape {tuple(p.shape)}), not a "
                 "multiple of 32: torchao's MXTensor holds whole blocks of 32 along K only "
                 "(zrw's last, shorter block has no torchao layout)"
+            )
+        local = local_tensor(p)
+        rec = find_record(local)
+        asked = (e.recipe.cache_layout, e.recipe.elem_dtype, e.recipe.scale_mode)
+        if (
+            rec is not None
+            and rec.quantized_as not in (None, asked)
+            and cache.cache_state(local).released
+        ):
+            raise ValueError(
+                f"{op}: weight '{name}' is released with its FP8 copy made as "
+                f"{rec.quantized_as}, but its layer now asks for {asked} (its recipe changed "
+                "since): the copy the forward used and the layer disagree. Restore it first "
+                "(zrw.cache.restore_all('master')) or export with the recipe it trained with"
             )
         if p.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(
