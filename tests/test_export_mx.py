@@ -315,6 +315,22 @@ def test_refuses_a_model_without_converted_weights(tmp_path):
         export_mx({})
 
 
+def test_kernel_auto_is_recorded_for_weights_and_activations():
+    """kernel="auto" asks torchao for its real MX GEMM (a GPU that has one; not run here): the
+    weights and the activation kwargs carry KernelPreference.AUTO, the bytes are the same."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    model, opt, _, layers = trained("mxfp8", steps=1)
+    emulated, auto = export_mx(model), export_mx(model, kernel="auto")
+    for name in layers:
+        assert emulated[name].kernel_preference == KernelPreference.EMULATED
+        assert auto[name].kernel_preference == KernelPreference.AUTO
+        assert auto[name].act_quant_kwargs.kernel_preference == KernelPreference.AUTO
+        assert torch.equal(u8(auto[name].qdata), u8(emulated[name].qdata))
+        assert torch.equal(u8(auto[name].scale), u8(emulated[name].scale))
+    del opt
+
+
 def test_refuses_bad_arguments(tmp_path):
     model, opt, _, _ = trained("mxfp8", steps=1)
     with pytest.raises(ValueError, match=r"export_mx: kernel must be one of .*got 'cuda'"):
