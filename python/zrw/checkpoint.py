@@ -12,12 +12,22 @@ as long as the caller keeps it. The calls here never hold more than one material
   materialize(p, master)          one released weight's exact value (bf16 of its master), as
                                   the zrw layers' state_dict() and pickling also make it
 
+The training grid exported (docs/export.md): each converted weight's forward MXFP8 plane, byte
+for byte, as torchao's MX inference tensor (MXTensor), the rest of the state dict as it is:
+
+  export_mx(model, path=None)     the state dict with MXTensor weights, or (path) a safetensors
+                                  file in torchao's format, written tensor by tensor
+  iter_mx_state_dict(model)       its (name, tensor) pairs, one MX weight copied at a time
+  load_mx(model, path)            such a file into an unconverted model of the architecture
+  save_mx_pretrained(model, dir)  a directory transformers' from_pretrained loads (TorchAoConfig)
+
 Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
 allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
@@ -30,6 +40,8 @@ from torch import Tensor
 
 from . import cache
 from ._dtensor import is_dtensor, local_tensor
+from .planes import MXPlanesCarrier, is_zrw_layer
+from .record import find_record
 
 # zrw.state_dict (one level down, where the layers' state-dict logic lives) holds these; this
 # module is their public home.
@@ -149,24 +161,7 @@ def save_safetensors(
     op = "zrw.checkpoint.save_safetensors"
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
-            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
-        )
-    path = os.fspath(path)
-    if not isinstance(path, str):
-        raise TypeError(
-            f"{op}: path must be a str or an os.PathLike giving a str, got an "
-            f"os.PathLike giving {type(path).__name__}"
-        )
-    if not path:
-        raise ValueError(f"{op}: path must name a file, got ''")
-    if os.path.isdir(path):
-        raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist ({folder!r})")
+    path = _checked_path(op, path)
     plan = _plan(model)
     if metadata is None:
         metadata = {"format": "pt"}  # what safetensors.torch and transformers write
@@ -209,6 +204,37 @@ def save_safetensors(
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
+    _write_file(path, header, names, lambda name: _value(name, plan[name]))
+
+
+def _checked_path(op: str, path) -> str:
+    """`path` as a str naming a file whose directory exists, or the error that names it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
+            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
+        )
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike giving a str, got an "
+            f"os.PathLike giving {type(path).__name__}"
+        )
+    if not path:
+        raise ValueError(f"{op}: path must name a file, got ''")
+    if os.path.isdir(path):
+        raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist ({folder!r})")
+    return path
+
+
+def _write_file(path: str, header: Dict[str, object], names, produce) -> None:
+    """Write a safetensors file: `header` (every entry's dtype, shape and byte range, already
+    checked), then for each name in `names`, in order, the bytes of `produce(name)`, dropped
+    before the next is made. The bytes go to a temporary file of the same directory, unique to
+    this call, which replaces `path` atomically (os.replace) once complete."""
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
     # Unique per call (process, thread, and a random part), created exclusively ("xb").
@@ -220,7 +246,7 @@ def save_safetensors(
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for name in names:
-                value = _value(name, plan[name])
+                value = produce(name)
                 data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(data.numpy()))  # no copy of the bytes
                 del value, data
@@ -228,3 +254,473 @@ def save_safetensors(
     finally:
         if created and os.path.exists(tmp):
             os.remove(tmp)
+
+
+# ---- the training grid exported: torchao MX inference tensors ------------------------------
+#
+# docs/design.md §3 (numerics) and §5 (the cache): a converted weight's forward plane is its
+# E4M3 (or E5M2) codes in blocks of 32 along K (the last axis of W (N, K) or (E, N, K)) with
+# one E8M0 scale per block, (.., N, ceil(K/32)); for "mxfp8-32x32" it is the row expansion of
+# the 32x32 tile scales (each tile's scale repeated for its 32 rows), the same codes. That is
+# the layout of torchao's MXTensor for a linear weight (block_size 32 along the last axis,
+# scale torch.float8_e8m0fnu of shape (.., N, K/32), unswizzled), so the export hands zrw's
+# bytes to torchao unchanged; nothing is re-quantized with torchao's rule.
+
+_KERNELS = ("emulated", "auto")
+_EXPERTS = ("refuse", "bf16")
+_SCALE_DTYPE = torch.float8_e8m0fnu
+_MX_FILE_DTYPES = {**_DTYPES, _SCALE_DTYPE: "F8_E8M0"}
+
+
+def _torchao(op: str):
+    """torchao's MX tensor and its kwargs (an optional dependency: `pip install torchao`)."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    except ImportError as e:  # pragma: no cover - torchao is in the test extra
+        raise ImportError(
+            f"{op}: the MX export builds torchao's MXTensor (torchao.prototype.mx_formats), "
+            f"but torchao could not be imported ({e}); install it: pip install torchao==0.18.0"
+        ) from e
+    return MXTensor, QuantizeTensorToMXKwargs, ScaleCalculationMode, KernelPreference
+
+
+def _check_kernel(op: str, kernel) -> str:
+    if not isinstance(kernel, str) or kernel not in _KERNELS:
+        raise ValueError(
+            f"{op}: kernel must be one of {_KERNELS} (torchao's KernelPreference: 'emulated' "
+            f"runs on any device, 'auto' needs torchao's MX GEMM on a CUDA GPU), got {kernel!r}"
+        )
+    return kernel
+
+
+class _MXEntry:
+    """One converted weight of the export plan: its layer, parameter and recipe."""
+
+    __slots__ = ("name", "module", "param", "recipe")
+
+    def __init__(self, name: str, module: torch.nn.Module, param: Tensor, recipe) -> None:
+        self.name, self.module, self.param, self.recipe = name, module, param, recipe
+
+
+def _check_experts(op: str, experts) -> str:
+    if not isinstance(experts, str) or experts not in _EXPERTS:
+        raise ValueError(
+            f"{op}: experts must be one of {_EXPERTS} (what to do with 3-d expert stacks, "
+            f"which torchao's MXTensor cannot serve in transformers' experts), got {experts!r}"
+        )
+    return experts
+
+
+def _mx_plan(
+    op: str, model: torch.nn.Module, experts: str = "refuse"
+) -> Tuple[Dict[str, Tensor], Dict[str, _MXEntry]]:
+    """model.state_dict() (released weights as themselves) and, by state-dict name, the
+    converted weights to export as MX; every refusal is raised here, before anything is
+    quantized, built or written."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    plan = _plan(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    mx: Dict[str, _MXEntry] = {}
+    for name, t in plan.items():
+        prefix, _, pname = name.rpartition(".")
+        module = modules.get(prefix)
+        if module is None or not is_zrw_layer(module) or pname not in module.zrw_quantized:
+            continue
+        mx[name] = _MXEntry(name, module, module._parameters.get(pname), module.recipe)
+    if not mx:
+        raise ValueError(
+            f"{op}: model has no converted weights (no zrw layer: MXLinear, MXFusedExperts); "
+            "the MX export reads the FP8 copies zrw trains with. Convert it first "
+            "(zrw.convert(model, recipe)), or save BF16 with zrw.checkpoint.save_safetensors"
+        )
+    by_tensor: Dict[int, str] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        if name in plan:
+            first = by_tensor.setdefault(id(t), name)
+            if first != name and (first in mx or name in mx):
+                raise ValueError(
+                    f"{op}: weight '{name}' is the same tensor as '{first}' (tied weights), "
+                    "and one of them is a converted weight: an MX export holds one tensor per "
+                    "name, MX or not, so the tie would not survive a load. Keep the tied "
+                    "module in high precision (zrw.convert(..., skip=[...])) or untie it"
+                )
+    stacks: list = []
+    for name, e in mx.items():
+        p = e.param
+        if "." not in name:
+            raise ValueError(
+                f"{op}: converted weight '{name}' has no module prefix: torchao's format names "
+                "an MX tensor's parts '<module>._<param>_qdata', so the model itself cannot be "
+                "the zrw layer; wrap it (torch.nn.Sequential(model))"
+            )
+        if isinstance(p, MXPlanesCarrier):
+            raise TypeError(
+                f"{op}: weight '{name}' is an FSDP2 gathered weight ({type(p).__name__}); "
+                "export outside FSDP2's forward, from the unsharded model"
+            )
+        if not isinstance(p, Tensor) or is_dtensor(p):
+            raise TypeError(
+                f"{op}: weight '{name}' must be a plain tensor on one device, got "
+                f"{type(p).__name__} (a sharded model: gather it first, e.g. save with "
+                "torch.distributed.checkpoint and load into one unsharded model)"
+            )
+        if p.is_meta:
+            raise ValueError(f"{op}: weight '{name}' is on the meta device (no data to export)")
+        if p.dim() == 3:
+            if experts == "bf16":
+                stacks.append(name)
+                continue
+            raise ValueError(
+                f"{op}: weight '{name}' is a 3-d expert stack {tuple(p.shape)}: torchao 0.18's "
+                "MXTensor runs linear layers only (transformers' experts forward transposes the "
+                "stack and calls grouped_mm, which MXTensor does not implement). Pass "
+                "experts='bf16' to export the stacks as their exact BF16 values (not the "
+                "training grid), or keep them out of zrw.convert"
+            )
+        if p.dim() != 2:
+            raise ValueError(f"{op}: weight '{name}' must be (N, K), got shape {tuple(p.shape)}")
+        if p.shape[-1] % 32 != 0:
+            raise ValueError(
+                f"{op}: weight '{name}' has K = {p.shape[-1]} (shape {tuple(p.shape)}), not a "
+                "multiple of 32: torchao's MXTensor holds whole blocks of 32 along K only "
+                "(zrw's last, shorter block has no torchao layout)"
+            )
+        local = local_tensor(p)
+        rec = find_record(local)
+        asked = (e.recipe.cache_layout, e.recipe.elem_dtype, e.recipe.scale_mode)
+        if (
+            rec is not None
+            and rec.quantized_as not in (None, asked)
+            and cache.cache_state(local).released
+        ):
+            raise ValueError(
+                f"{op}: weight '{name}' is released with its FP8 copy made as "
+                f"{rec.quantized_as}, but its layer now asks for {asked} (its recipe changed "
+                "since): the copy the forward used and the layer disagree. Restore it first "
+                "(zrw.cache.restore_all('master')) or export with the recipe it trained with"
+            )
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"{op}: weight '{name}' has dtype {p.dtype}: torchao's MX tensors dequantize to "
+                "bfloat16 or float32 only"
+            )
+    for name in stacks:
+        del mx[name]
+    if not mx:
+        raise ValueError(f"{op}: model has no converted 2-d weights to export as MX")
+    return plan, mx
+
+
+def _forward_plane(e: _MXEntry) -> Tuple[Tensor, Tensor]:
+    """The forward plane of a converted weight, as copies: the cached one where the cache holds
+    it (the copy the forwards of this step used, or a frozen weight's only value), else what
+    the next forward will use, made the same way (from its FP32 master when released for the
+    BF16-free step, else from its current values), without filing or releasing anything: the
+    cache's inference read (docs/design.md §5), which changes no entry, state or record."""
+    w = local_tensor(e.param)
+    r = e.recipe
+    with torch.inference_mode():
+        tensors = torch.ops.zrw.quant_and_release.default(
+            w,
+            r.cache_layout,
+            False,
+            False,
+            r.elem_dtype,
+            r.scale_mode,
+            cache.weight_name(w) or e.name,
+            w.requires_grad,
+        )
+    data, scale = tensors[0], tensors[1]
+    want = (*w.shape[:-1], w.shape[-1] // 32)
+    if data.shape != w.shape or tuple(scale.shape) != want or scale.dtype != _SCALE_DTYPE:
+        raise RuntimeError(  # pragma: no cover - the cache's layout contract
+            f"zrw.checkpoint: weight '{e.name}': the cache returned a forward plane of shape "
+            f"{tuple(data.shape)} with scale {tuple(scale.shape)} {scale.dtype}, expected "
+            f"{tuple(w.shape)} and {want} {_SCALE_DTYPE}"
+        )
+    return data.clone(), scale.clone()
+
+
+def _mx_kwargs(op: str, recipe, kernel: str):
+    MXTensor, Kwargs, Mode, Pref = _torchao(op)
+    pref = Pref.EMULATED if kernel == "emulated" else Pref.AUTO
+    mode = Mode.RCEIL if recipe.scale_mode == "rceil" else Mode.FLOOR
+    # The activations: quantized by torchao at serving time, as zrw's layers do (1x32 blocks
+    # along K, the recipe's element dtype and scale rule).
+    act = Kwargs(
+        elem_dtype=recipe.elem_dtype,
+        block_size=32,
+        scaling_mode=mode,
+        kernel_preference=pref,
+        is_swizzled_scales=False,
+    )
+    return MXTensor, pref, act
+
+
+def _mx_tensor(op: str, e: _MXEntry, data: Tensor, scale: Tensor, kernel: str):
+    MXTensor, pref, act = _mx_kwargs(op, e.recipe, kernel)
+    return MXTensor(data, scale, data.dtype, 32, e.param.dtype, pref, act, False)
+
+
+def iter_mx_state_dict(
+    model: torch.nn.Module, *, kernel: str = "emulated", experts: str = "refuse"
+) -> Iterator[Tuple[str, Tensor]]:
+    """(name, tensor) for every entry of `model.state_dict()`, in its order, each converted
+    weight as torchao's MXTensor holding zrw's forward plane: E4M3 codes and E8M0 block scales
+    byte for byte those the forward uses (see `export_mx`), the rest as `iter_state_dict`
+    gives it (BF16 as trained). One MX weight's codes and scales (about 1.03 bytes per element)
+    are copied when its turn comes; drop it before asking for the next. Every check runs at
+    the call, before anything is iterated."""
+    op = "zrw.checkpoint.iter_mx_state_dict"
+    _check_kernel(op, kernel)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    _torchao(op)
+
+    def entries() -> Iterator[Tuple[str, Tensor]]:
+        for name, t in plan.items():
+            e = mx.get(name)
+            if e is None:
+                yield name, _value(name, t)
+            else:
+                yield name, _mx_tensor(op, e, *_forward_plane(e), kernel)
+
+    return entries()
+
+
+def export_mx(
+    model: torch.nn.Module,
+    path: "str | os.PathLike | None" = None,
+    *,
+    kernel: str = "emulated",
+    experts: str = "refuse",
+) -> Optional[Dict[str, Tensor]]:
+    """Export the training grid: each converted weight's forward MXFP8 plane as torchao's
+    MX inference tensor (MXTensor), every other entry of the state dict as it is (BF16).
+
+    The codes and scales are byte for byte the forward plane zrw computes with: the cached
+    copy where the cache holds one (the copy this step's forwards used; a frozen weight
+    released for good: its only value), else the one the next forward makes, with zrw's own
+    op and scale rule: from the FP32 master after a BF16-free step (never from a rounded BF16
+    copy), else from the weight's current values. "mxfp8-32x32": each 32x32 tile's scale is
+    repeated for its 32 rows (the plane the forward GEMM reads; same codes, same values).
+    Nothing in the cache changes. Activations are quantized by torchao at serving time with
+    the recipe's element dtype and scale rule; `kernel` is torchao's KernelPreference:
+    "emulated" (dequantize and run a BF16 GEMM; any device) or "auto" (torchao's MX GEMM, a
+    CUDA GPU that has one).
+
+    path None: returns the state dict (name -> MXTensor or tensor). Else writes a safetensors
+    file in torchao's format (`<module>._<param>_qdata` / `_scale` and torchao's metadata, as
+    `torchao.prototype.safetensors` and transformers' torchao loader read it), one tensor at a
+    time as save_safetensors does, and returns None; `load_mx` reads it into an unconverted
+    model, `save_mx_pretrained` writes a directory `from_pretrained` loads. Every check runs
+    before anything is quantized or the file is opened (docs/export.md)."""
+    op = "zrw.checkpoint.export_mx"
+    _check_kernel(op, kernel)
+    if path is not None:
+        path = _checked_path(op, path)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    _torchao(op)
+    if path is None:
+        return dict(iter_mx_state_dict(model, kernel=kernel, experts=experts))
+    _write_mx_file(op, path, plan, mx, kernel, {})
+    return None
+
+
+def _write_mx_file(op, path, plan, mx, kernel, extra_metadata: Dict[str, str]) -> None:
+    from torchao.prototype.safetensors.safetensors_utils import TensorSubclassAttributeJSONEncoder
+
+    header: Dict[str, object] = {}
+    metadata: Dict[str, str] = {"format": "pt", **extra_metadata}
+    parts: Dict[str, Tuple[str, str]] = {}  # file name -> (state-dict name, "qdata"/"scale")
+    shapes: list = []
+    for name, t in plan.items():
+        e = mx.get(name)
+        if e is None:
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{op}: state-dict entry '{name}' must be a tensor, got {type(t).__name__}"
+                )
+            if is_dtensor(t):
+                raise TypeError(f"{op}: '{name}' is a DTensor (a sharded model)")
+            if t.dtype not in _MX_FILE_DTYPES:
+                raise TypeError(
+                    f"{op}: '{name}' has dtype {t.dtype}, which safetensors cannot hold"
+                )
+            _master(name, t)  # a released weight without a master: raises before any write
+            metadata[name] = json.dumps({"_type": "Tensor"})
+            shapes.append((name, t.dtype, list(t.shape)))
+            parts[name] = (name, "")
+            continue
+        p = e.param
+        sshape = [*p.shape[:-1], p.shape[-1] // 32]
+        meta_mx = _mx_tensor(
+            op,
+            e,
+            torch.empty(p.shape, dtype=e.recipe.elem_dtype, device="meta"),
+            torch.empty(sshape, dtype=_SCALE_DTYPE, device="meta"),
+            kernel,
+        )
+        metadata[name] = json.dumps(meta_mx, cls=TensorSubclassAttributeJSONEncoder)
+        module, _, pname = name.rpartition(".")
+        for part, dtype, shape in (
+            ("qdata", e.recipe.elem_dtype, list(p.shape)),
+            ("scale", _SCALE_DTYPE, sshape),
+        ):
+            fname = f"{module}._{pname}_{part}"
+            shapes.append((fname, dtype, shape))
+            parts[fname] = (name, part)
+    metadata["tensor_names"] = json.dumps(list(plan))
+    header["__metadata__"] = metadata
+    offset = 0
+    for fname, dtype, shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        header[fname] = {
+            "dtype": _MX_FILE_DTYPES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    held: Dict[str, Tensor] = {}  # the scale of the weight whose codes were just written
+
+    def produce(fname: str) -> Tensor:
+        name, part = parts[fname]
+        if not part:
+            return _value(name, plan[name])
+        if part == "qdata":
+            data, scale = _forward_plane(mx[name])
+            held[name] = scale
+            return data
+        return held.pop(name)
+
+    _write_file(path, header, [f for f, _, _ in shapes], produce)
+
+
+def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Module:
+    """Load a file written by `export_mx(model, path)` into `model`, an unconverted model of
+    the same architecture (e.g. built from the same config): each exported weight becomes an
+    `nn.Parameter(MXTensor, requires_grad=False)` (torchao's MX inference weight: nn.Linear
+    runs it through torchao's MX linear), every other entry is loaded as it was saved.
+    Returns `model`. Raises, naming the entries, where the file does not match the model."""
+    op = "zrw.checkpoint.load_mx"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    path = _checked_path(op, path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{op}: path {path!r} does not exist")
+    layers = [n or "<model>" for n, m in model.named_modules() if is_zrw_layer(m)]
+    if layers:
+        raise ValueError(
+            f"{op}: model has zrw layers ({', '.join(layers[:3])}"
+            f"{' and more' if len(layers) > 3 else ''}): load the MX export into an unconverted "
+            "model of the same architecture (torchao's MX weights run in nn.Linear)"
+        )
+    _torchao(op)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+    if not is_metadata_torchao(metadata):
+        raise ValueError(
+            f"{op}: {path!r} holds no torchao metadata (tensor_names and one entry per "
+            "tensor): write it with zrw.checkpoint.export_mx(model, path)"
+        )
+    state, leftover = unflatten_tensor_state_dict(load_file(path), metadata)
+    if leftover:
+        raise ValueError(f"{op}: {path!r} holds tensors no entry names: {sorted(leftover)[:5]}")
+    MXTensor = _torchao(op)[0]
+    mx = {k: v for k, v in state.items() if isinstance(v, MXTensor)}
+    plain = {k: v for k, v in state.items() if k not in mx}
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in mx.items():
+        prefix, _, pname = name.rpartition(".")
+        old = params.get(name)
+        if old is None or prefix not in modules:
+            raise ValueError(f"{op}: {path!r} holds MX weight '{name}', which model has not")
+        if tuple(old.shape) != tuple(t.shape):
+            raise ValueError(
+                f"{op}: MX weight '{name}' has shape {tuple(t.shape)} in {path!r}, the model's "
+                f"parameter has {tuple(old.shape)}"
+            )
+    result = model.load_state_dict(plain, strict=False)
+    missing = [k for k in result.missing_keys if k not in mx]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{op}: {path!r} does not match model: missing {missing[:5]}, unexpected "
+            f"{result.unexpected_keys[:5]}"
+        )
+    for name, t in mx.items():
+        prefix, _, pname = name.rpartition(".")
+        setattr(modules[prefix], pname, torch.nn.Parameter(t, requires_grad=False))
+    return model
+
+
+def save_mx_pretrained(
+    model: torch.nn.Module,
+    save_directory: "str | os.PathLike",
+    *,
+    kernel: str = "emulated",
+    experts: str = "refuse",
+) -> None:
+    """Write a Hugging Face model directory that `from_pretrained` loads as torchao's MX
+    inference model: `config.json` with `quantization_config` = TorchAoConfig(
+    MXDynamicActivationMXWeightConfig(...)) (the recipe's element dtype and scale rule,
+    `kernel`), `generation_config.json` where the model has one, and `model.safetensors`
+    written by `export_mx` (one tensor at a time). `model` is a converted transformers
+    model (it has `config.save_pretrained`); its own config is left unchanged."""
+    op = "zrw.checkpoint.save_mx_pretrained"
+    _check_kernel(op, kernel)
+    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise TypeError(
+            f"{op}: model must be a transformers PreTrainedModel (it has no config with "
+            f"save_pretrained: {type(model).__name__}); use export_mx(model, path) for others"
+        )
+    recipes = {(e.recipe.elem_dtype, e.recipe.scale_mode) for e in mx.values()}
+    dtypes = {e.param.dtype for e in mx.values()}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"{op}: the converted weights have several dtypes ({sorted(map(str, dtypes))}); "
+            "from_pretrained loads a model in one dtype"
+        )
+    if len(recipes) != 1:
+        raise ValueError(
+            f"{op}: the converted weights use several element dtypes / scale rules "
+            f"({sorted(str(r) for r in recipes)}); one torchao config describes one"
+        )
+    save_directory = os.fspath(save_directory)
+    if os.path.exists(save_directory) and not os.path.isdir(save_directory):
+        raise ValueError(f"{op}: save_directory {save_directory!r} is a file")
+    os.makedirs(save_directory, exist_ok=True)
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+    from transformers import TorchAoConfig
+
+    _, Kwargs, Mode, Pref = _torchao(op)
+    ((elem, mode),) = recipes
+    qc = TorchAoConfig(
+        MXDynamicActivationMXWeightConfig(
+            activation_dtype=elem,
+            weight_dtype=elem,
+            kernel_preference=Pref.EMULATED if kernel == "emulated" else Pref.AUTO,
+            scaling_mode=Mode.RCEIL if mode == "rceil" else Mode.FLOOR,
+        )
+    )
+    _write_mx_file(op, os.path.join(save_directory, "model.safetensors"), plan, mx, kernel, {})
+    config = copy.deepcopy(config)  # the model's own config stays as it is
+    config.quantization_config = qc
+    # from_pretrained's dtype="auto" reads it (it cannot infer one from E8M0 scales).
+    config.dtype = next(iter(dtypes))
+    config.save_pretrained(save_directory)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(save_directory)
