@@ -100,7 +100,7 @@ constexpr int fold_src(int S, int i, bool hi) {  // lane i of the fold: lane of 
   return t < L ? c * 8 + t * S + k : W + c * 8 + (t - L) * S + k;
 }
 template <int S, int... I>
-inline V fold(V a, V b, std::integer_sequence<int, I...>) {
+__attribute__((always_inline)) inline V fold(V a, V b, std::integer_sequence<int, I...>) {
   if constexpr (S == 2) {
     const V ea = vmax(a, reinterpret_cast<V>(reinterpret_cast<VU32>(a) >> 16));
     const V eb = vmax(b, reinterpret_cast<V>(reinterpret_cast<VU32>(b) << 16));
@@ -136,7 +136,7 @@ constexpr std::array<int, W> kLeafBlock = leaf_blocks();  // leaf -> the block i
 // Lane i = the max of block(i), from leaves loaded through kLeafBlock; depth first (few registers
 // live at a time).
 template <int N, typename Block>
-inline V tree(Block& block, int first) {
+__attribute__((always_inline)) inline V tree(Block& block, int first) {
   if constexpr (N == 1) {
     return block(kLeafBlock[first]);
   } else {
@@ -207,7 +207,8 @@ inline float value(In<S> x) {
 // NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
 // The high 16 bits of two registers of 32-bit lanes, in order.
 template <int... I>
-inline V high_halves(VU32 lo, VU32 hi, std::integer_sequence<int, I...>) {
+__attribute__((always_inline)) inline V high_halves(VU32 lo, VU32 hi,
+                                                    std::integer_sequence<int, I...>) {
 #if defined(__AVX2__) && !defined(__AVX512BW__)
   return reinterpret_cast<V>(_mm256_permute4x64_epi64(
       _mm256_packus_epi32(reinterpret_cast<__m256i>(lo >> 16), reinterpret_cast<__m256i>(hi >> 16)),
@@ -219,7 +220,7 @@ inline V high_halves(VU32 lo, VU32 hi, std::integer_sequence<int, I...>) {
 // kLanes32 fp32 values -> keys in the high halves of their bits: bf16 rounding (RNE; a NaN stays
 // a NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
 template <Src S>
-inline VU32 key_bits(VU32 u) {
+__attribute__((always_inline)) inline VU32 key_bits(VU32 u) {
   if constexpr (S == Src::F32AsBF16) {
     const VU32 nan = reinterpret_cast<VU32>(reinterpret_cast<VI32>(u & 0x7FFFFFFFu) > 0x7F800000);
     return (u + 0x7FFFu + ((u >> 16) & 1u)) | (nan & 0x7FC00000u);
@@ -227,21 +228,25 @@ inline VU32 key_bits(VU32 u) {
     return u | (((u & 0xFFFFu) + 0xFFFFu) & 0x10000u);  // jam
   }
 }
-// W elements -> their keys: bf16 bits, the bf16 rounding of an FP32 master, or jammed bf16.
+// W fp32 values -> their keys (S: F32AsBF16, or jammed).
 template <Src S>
-inline V keys(const In<S>* p) {
+__attribute__((always_inline)) inline V keys_from_f32(const float* f) {
+  return high_halves(key_bits<S>(load<VU32>(f)), key_bits<S>(load<VU32>(f + kLanes32)),
+                     std::make_integer_sequence<int, W>{});
+}
+// W elements -> their keys: bf16 bits, the bf16 rounding of an FP32 master, or jammed bf16.
+// (Everything here is always_inline: GCC otherwise leaves the fp32 path a call per register.)
+template <Src S>
+__attribute__((always_inline)) inline V keys(const In<S>* p) {
   if constexpr (S == Src::BF16) {
     return load<V>(p);
   } else {
-    auto from = [](const float* f) {
-      return high_halves(key_bits<S>(load<VU32>(f)), key_bits<S>(load<VU32>(f + kLanes32)),
-                         std::make_integer_sequence<int, W>{});
-    };
-    if constexpr (S == Src::F32 || S == Src::F32AsBF16) return from(p);
+    constexpr Src kAs = S == Src::F32AsBF16 ? Src::F32AsBF16 : Src::F32;
+    if constexpr (S == Src::F32 || S == Src::F32AsBF16) return keys_from_f32<kAs>(p);
     alignas(64) float staged[W];
     if constexpr (S == Src::F16) f16_to_f32(p, staged, W);
     if constexpr (S == Src::F32AsF16) round_to_f16(p, staged, W);
-    return from(staged);
+    return keys_from_f32<kAs>(staged);
   }
 }
 
@@ -299,6 +304,41 @@ template <ElemFormat F, bool BLK, bool COL>
 __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc,
                                                       uint8_t* bo, uint8_t* co, bool nt) {
   using C = Enc<F>;
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+  // AVX2 (two registers per run): the same codes, clamped and tested as bytes. packus saturates
+  // a negative code to 0 (below 2^M: the exact path, as in 16 bits) and one above 255 to 255
+  // (then the largest code, as in 16 bits); one byte register holds the run, so the clamp, the
+  // test and the sign take one instruction each instead of one per register. The bytes are in
+  // packus' order (128-bit halves interleaved) until store_packed_run puts them in order.
+  __m256i t[2], xv[2];
+  for (int h = 0; h < 2; ++h) {
+    xv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + W * h));
+    const V a = reinterpret_cast<V>(xv[h]) & splat(0x7FFF);
+    t[h] = reinterpret_cast<__m256i>(a + (srl<C::kShift>(a) & splat(1)));
+  }
+  const __m256i max_code = _mm256_set1_epi8(static_cast<char>(C::kMaxCode));
+  const __m256i below = _mm256_set1_epi8(static_cast<char>(C::kMinNormalCode - 1));
+  auto codes = [&](__m256i k0, __m256i k1) __attribute__((always_inline)) {
+    return _mm256_packus_epi16(_mm256_srai_epi16(_mm256_add_epi16(t[0], k0), C::kShift),
+                               _mm256_srai_epi16(_mm256_add_epi16(t[1], k1), C::kShift));
+  };
+  __m256i bc = max_code, cc = max_code;
+  if constexpr (BLK) bc = codes(reinterpret_cast<__m256i>(kb), reinterpret_cast<__m256i>(kb));
+  if constexpr (COL) {
+    cc = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc)),
+               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc + W)));
+  }
+  const __m256i low = _mm256_min_epu8(bc, cc);
+  if (__builtin_expect(
+          _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(low, below), low)) != 0, 0)) {
+    return false;
+  }
+  const __m256i sign =
+      _mm256_and_si256(_mm256_packs_epi16(xv[0], xv[1]), _mm256_set1_epi8(static_cast<char>(0x80)));
+  if constexpr (BLK) store_packed_run(bo, _mm256_or_si256(_mm256_min_epu8(bc, max_code), sign), nt);
+  if constexpr (COL) store_packed_run(co, _mm256_or_si256(_mm256_min_epu8(cc, max_code), sign), nt);
+  return true;
+#else
   V bc[R], cc[R], sign[R];
   V low = splat(0x7FFF);
 #pragma GCC unroll 4
@@ -326,6 +366,7 @@ __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, c
   if constexpr (BLK) store_32_bytes(bo, bc, nt);
   if constexpr (COL) store_32_bytes(co, cc, nt);
   return true;
+#endif
 }
 
 // A last partial block of n elements, padded to 32 with copies of its first element.
@@ -352,7 +393,7 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
   if constexpr (FULL) nblk = kGroup;
 #pragma GCC unroll 1
   for (int t0 = 0; t0 < nblk; t0 += W) {
-    auto leaf = [&](int i) {
+    auto leaf = [&](int i) __attribute__((always_inline)) {
       const int blk = t0 + i;
       if (!FULL && blk >= nblk) return splat(0);
       const In<S>* p = src + kBlock * blk;
@@ -381,12 +422,18 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
   } else {
     xs = src;
   }
-  for (int blk = 0; blk < nblk; ++blk) {
+  auto encode = [&](int blk) __attribute__((always_inline)) {
     uint8_t* out = data + kBlock * blk;
     if (!encode_run<F, true, false>(xs + kBlock * blk, splat(s.k[blk]), nullptr, out, nullptr,
                                     nt)) {
       exact_run<F, S>(src + kBlock * blk, s.byte[blk], nullptr, out, nullptr);
     }
+  };
+  if constexpr (FULL) {
+#pragma GCC unroll 4
+    for (int blk = 0; blk < kGroup; ++blk) encode(blk);
+  } else {
+    for (int blk = 0; blk < nblk; ++blk) encode(blk);
   }
 }
 
@@ -470,7 +517,7 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
   // Pass 1.
   for (int r = 0; r < nrows; ++r) {
     for (int b0 = 0; b0 < nbw; b0 += W) {
-      auto leaf = [&](int i) {
+      auto leaf = [&](int i) __attribute__((always_inline)) {
         const int blk = b0 + i;
         if (blk >= nbw) return splat(0);
         const In<S>* p = src + r * ld + kBlock * blk;

@@ -112,6 +112,16 @@ inline void store_32_bytes(uint8_t* p, const V* c, bool nt) {
 }
 #pragma GCC diagnostic pop
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// 32 bytes in packus' order (each 128-bit half of the two source registers interleaved) -> in
+// element order at p; non-temporal (`nt`, p aligned to 32).
+inline void store_packed_run(uint8_t* p, __m256i b, bool nt) {
+  b = _mm256_permute4x64_epi64(b, 0xD8);
+  if (nt) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+}
+#endif
+
 // Orders the non-temporal stores before what follows (the end of a parallel_for chunk).
 inline void store_fence() {
 #if defined(__AVX2__)
