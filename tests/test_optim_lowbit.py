@@ -43,6 +43,20 @@ RECIPES = list(cache.RECIPES)
 STEPS, MICRO, LR = 4, 2, 1e-2
 
 
+@pytest.fixture(autouse=True)
+def _eager_backend_unless_slow(request):
+    """torchao's low-bit step is torch.compile'd with inductor, whose C++ compile of each shape
+    took about 7 minutes for this file on a cold 2-core machine. The default run traces the same
+    step with dynamo and runs it with dynamo's eager backend (what is compared, release on
+    against off, zrw against plain FP32 copies, runs the same code either way); the `-m slow`
+    tests (a Qwen3 and the Trainer with FP8 moments) run inductor, as a user's run does."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    with torch._dynamo.config.patch(debug_backend_override=">=0:eager"):
+        yield
+
+
 class Net(torch.nn.Module):
     """up and mid are 64 x 64 (4096 elements: torchao quantizes their moments), down is
     32 x 64 (2048: torchao keeps its moments in FP32, as the LayerNorm's and the bias')."""
