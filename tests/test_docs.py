@@ -1,9 +1,11 @@
 """The documentation holds together (issue 30): the README stays a five-minute read whose test
-command is the one CI runs, the design page has its numbered sections, every citation of it names
-one of them, no file cites the design outside the repository, and every relative link resolves.
-Reads files only: nothing is imported or built."""
+command is the one CI runs, the design page has its numbered sections, every citation of it or of
+the NPU page names one of their sections, no file outside docs/ cites anything outside the
+repository, and every relative link resolves. Reads files only (the list of tracked files comes
+from git where there is one): nothing is imported or built."""
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,75 @@ def test_every_design_citation_names_a_section():
             for n in re.findall(r"design\.md §(\d+)", line):
                 if int(n) not in SECTIONS:
                     bad.append(f"{p.relative_to(ROOT)}:{i}: §{n}")
+    assert not bad, bad
+
+
+def _tracked():
+    """Every file git tracks (the walk of CITING where there is no git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return list(_files())
+    return [ROOT / name for name in out.decode().split("\0") if name and (ROOT / name).is_file()]
+
+
+# What no file outside docs/ may mention: the files and notes that lived beside the repository
+# (spelled apart so that this file does not mention them). docs/ cites its own pages instead.
+OUTSIDE = [
+    ("shared/" + "reference", False),
+    ("../" + "shared", False),
+    ("reference " + "notes", True),  # any case
+    ("DESIGN" + ".md", False),
+    ("STYLE" + ".md", False),
+]
+
+
+def test_nothing_outside_docs_cites_a_file_outside_the_repository():
+    found = []
+    for p in _tracked():
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] == "docs":
+            continue
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            for word, any_case in OUTSIDE:
+                if word.lower() in line.lower() if any_case else word in line:
+                    found.append(f"{rel}:{i}: {word}")
+    assert not found, f"cite docs/design.md §N or docs/npu.md §N.M instead: {found}"
+
+
+def _npu_sections():
+    text = (DOCS / "npu.md").read_text()
+    return set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", text, re.M))
+
+
+def test_npu_page_has_numbered_sections():
+    sections = _npu_sections()
+    # the torch_npu facts the adapter relies on (§5) are what csrc/npu and tests/npu cite
+    assert {"5", "5.1", "5.2", "5.3", "5.4", "5.5", "5.6", "5.7"} <= sections, sorted(sections)
+
+
+def test_every_npu_citation_names_a_section():
+    sections = _npu_sections()
+    # `docs/npu.md §5.3`, also across a comment's line break, and `[npu.md](npu.md) §4` in docs/
+    cite = re.compile(r"npu\.md\)?(?:\s|//|#)*§(\d+(?:\.\d+)*)")
+    bad, seen = [], 0
+    for p in _tracked():
+        if p.suffix not in SUFFIXES:
+            continue
+        text = p.read_text(errors="replace")
+        for m in cite.finditer(text):
+            seen += 1
+            if m.group(1) not in sections:
+                line = text.count("\n", 0, m.start()) + 1
+                bad.append(f"{p.relative_to(ROOT)}:{line}: §{m.group(1)}")
+    # the page's own cross-references (§6.1), not those of design.md's sections
+    page = (DOCS / "npu.md").read_text()
+    for m in re.finditer(r"(?<!design\.md\) )(?<!design\.md )§(\d+(?:\.\d+)*)", page):
+        if m.group(1) not in sections:
+            bad.append(f"docs/npu.md:{page.count(chr(10), 0, m.start()) + 1}: §{m.group(1)}")
+    assert seen, "no docs/npu.md §N citation found: is the pattern still right?"
     assert not bad, bad
 
 

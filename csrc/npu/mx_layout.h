@@ -3,7 +3,7 @@
 // Nothing here knows about NPUs: the functions run on any device's tensors (the CPU tests drive
 // them directly, through the zrw_npu_test ops), so the NPU adapter and its tests share one copy.
 //
-// torch_npu's paired scale layout (reference/npu_ops_and_mindspeed.md §1.3, the aclnn golden):
+// torch_npu's paired scale layout (docs/npu.md §5.5, after the aclnn golden):
 // for data blocked along dim d with nb = ceil(D/32) blocks, the scale is uint8 with dim d of size
 // ceil(nb/2) and a trailing dim of size 2 appended; block 2i+t sits at [..., i, ..., t]. On the
 // tail axis that is "consecutive blocks in pairs", (M, ceil(K/64), 2); on another axis it is the

@@ -18,7 +18,7 @@
 //
 // Verified only on CPU, against stand-in npu:: operators built from the documented semantics
 // (tests/npu), whose schemas and output dtypes/shapes the tests hold to the real torch_npu 2.13.0
-// wheel (its codegen yaml and meta functions); nothing here has run on an NPU (docs/npu.md).
+// wheel (its codegen yaml and meta functions); nothing here has run on an NPU (docs/npu.md §7).
 //
 // This file registers nothing: zrw._C registers these kernels for PrivateUse1
 // (mx_npu_registration.cpp), and the test library for the CPU key of its mirror namespace
@@ -42,7 +42,7 @@ namespace {
 using mx::kBlock;
 using mx::ScaleMode;
 
-// torch_npu's dtype codes (reference notes §1.2): below 256 they are PyTorch ScalarType values;
+// torch_npu's dtype codes (docs/npu.md §5.3): below 256 they are PyTorch ScalarType values;
 // 293 is torch_npu.float8_e8m0fnu (256 + ACL_FLOAT8_E8M0), which tells npu_quant_matmul that its
 // uint8 scales hold E8M0 bytes.
 constexpr int64_t kNpuFloat8E8M0 = 293;
@@ -118,8 +118,8 @@ at::Tensor empty_scale(at::IntArrayRef shape, const at::Tensor& like) {
 // Quantization.
 
 // One-axis quantization with npu_dynamic_mx_quant. x is handed over as (outer, D) blocked along
-// -1 or (outer, D, inner) blocked along -2, the two documented cases of the operator (reference
-// notes §1.3), which also keeps any rank within its 1-7 dims. A float32 x needs at least 32
+// -1 or (outer, D, inner) blocked along -2, the two documented cases of the operator
+// (docs/npu.md §5.4), which also keeps any rank within its 1-7 dims. A float32 x needs at least 32
 // elements along the quantized axis (torch_npu 2.13.0's docstring of the operator): a shorter
 // axis is zero-padded to one block, which changes no block's amax (zrw counts the missing
 // elements of a partial block as 0, docs/design.md §3), and the data narrowed back.
@@ -260,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_npu(const at::Tensor& w,
 // parameter dtype on the way, so on NPU these are cast + quantize, two passes: master.to(
 // param_dtype) (one aten kernel, the rounding torch applies everywhere) materializes the rounded
 // weight for the duration of the call, and the bf16/fp16 path above quantizes it, so the bytes
-// are those of the CPU kernels' fused pass (docs/npu.md). The operator is looked up before the
+// are those of the CPU kernels' fused pass (docs/npu.md §4). The operator is looked up before the
 // cast, so that without torch_npu the first error is still the one that names it.
 
 at::Tensor master_as_param(const char* op, const char* npu_name, const at::Tensor& master,
@@ -313,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize_block_from_master_npu(const at::T
 // (An NPU that flushed fp32 subnormals would differ for scale byte 0; unverified.) torch_npu's
 // npu_anti_mx_quant would do it in one kernel, but torch_npu 2.13.0 settles neither its scale
 // layout (its meta function takes any mxscale shape; it has no docstring) nor its rounding or
-// NaN handling (docs/npu.md).
+// NaN handling (docs/npu.md §4.1).
 
 at::Tensor mx_dequantize_npu(const at::Tensor& data, const at::Tensor& scale, int64_t dim,
                              at::ScalarType out_dtype) {
@@ -343,10 +343,10 @@ struct NpuOperand {
 // npu_quant_matmul takes it. A column-major operand is the .t() of a tensor blocked along dim 0,
 // whose paired scale (P, R, 2) is built along that dim and transposed back, so that data and
 // scale share the transpose attribute (op-plugin refuses "Input x2 tensor and scale tensor's
-// transpose are not same"). The scale needs no padding: ceil(K/32) blocks pair up into
-// ceil(K/64) = k_padded/64 pairs, and an odd count's pad byte, 0x00, scales zero elements only.
-// Strides are made standard (with_standard_strides) so that op-plugin, which reads the attribute
-// from them, sees what zrw decided even where a size-1 dim leaves contiguity ambiguous.
+// transpose are not same", docs/npu.md §5.7). The scale needs no padding: ceil(K/32) blocks pair up
+// into ceil(K/64) = k_padded/64 pairs, and an odd count's pad byte, 0x00, scales zero elements
+// only. Strides are made standard (with_standard_strides) so that op-plugin, which reads the
+// attribute from them, sees what zrw decided even where a size-1 dim leaves contiguity ambiguous.
 NpuOperand npu_operand(const at::Tensor& data, const at::Tensor& scale, int64_t k_padded) {
   const bool col_major = is_column_major(data);
   const at::Tensor d =

@@ -1,7 +1,7 @@
 // Calling torch_npu's operators (namespace `npu`) through the dispatcher, without torch_npu's or
 // CANN's headers.
 //
-// The schemas of torch_npu's MX operators differ between releases (reference notes §1.1: 26.0.0
+// The schemas of torch_npu's MX operators differ between releases (docs/npu.md §5.2: 26.0.0
 // lacks `dst_type_max` in the dual-axis op, 26.0.0/26.1.0 lack `max_low_bound`, 7.x has no MX ops
 // and another npu_quant_matmul). A typed call (`findSchemaOrThrow(...).typed<Sig>()`) must match
 // the installed schema exactly, so NpuOperator reads the schema found at run time instead: it

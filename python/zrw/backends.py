@@ -30,7 +30,7 @@ MX_OPS = (
 
 # torch_npu's operators that the NPU adapter calls, with the zrw ops that call them: npu:: operators
 # of torch_npu 2.13.0, the release for torch 2.13 (tests/npu/test_real_torch_npu.py checks each
-# name against its wheel). mx_dequantize uses ATen ops, not npu_anti_mx_quant (docs/npu.md).
+# name against its wheel). mx_dequantize uses ATen ops, not npu_anti_mx_quant (docs/npu.md §4.1).
 NPU_OPERATORS = {
     "npu_dynamic_mx_quant": (
         "mx_quantize",

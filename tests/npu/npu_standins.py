@@ -1,18 +1,17 @@
 """Stand-in torch_npu MX operators for the CPU tests of zrw's NPU adapter.
 
-No NPU, torch_npu or CANN exists here. These register the `npu::` operators the adapter calls,
-with the schema strings of a given torch_npu release (the pinned one, 2.13.0, copied from its
-wheel), and implement them for CPU from their documented semantics
-(../shared/reference/npu_ops_and_mindspeed.md §1, and the docstrings of torch_npu 2.13.0): the
-output shapes and dtypes are those of torch_npu 2.13.0's meta functions (test_real_torch_npu.py
-runs them on every call the adapter tests make and compares), the numbers come from
-``zrw.reference`` (floor = ``scale_alg=0``, rceil = ``scale_alg=1``), the layouts are torch_npu's
-(uint8 paired scales, written here after the aclnn golden, independently of the adapter's C++),
-and the documented constraints are enforced, so that a wrong argument from the adapter fails:
-FP8 only through an explicit ``dst_type`` (the default, 296, is FP4), ``round_mode="rint"``,
-block 32, input dtypes and ranks, and for ``npu_quant_matmul`` in MX mode ``K % 64 == 0``, paired
-scale shapes, and the same transpose attribute for each data tensor and its scale (op-plugin's
-stride test, ported from its QuantMatmulKernelNpuOpApi.cpp).
+No NPU, torch_npu or CANN exists here. These register the `npu::` operators the adapter calls, with
+the schema strings of a given torch_npu release (the pinned one, 2.13.0, copied from its wheel), and
+implement them for CPU from their documented semantics (docs/npu.md §5, and the docstrings of
+torch_npu 2.13.0): the output shapes and dtypes are those of torch_npu 2.13.0's meta functions
+(test_real_torch_npu.py runs them on every call the adapter tests make and compares), the numbers
+come from ``zrw.reference`` (floor = ``scale_alg=0``, rceil = ``scale_alg=1``), the layouts are
+torch_npu's (uint8 paired scales, written here after the aclnn golden, independently of the
+adapter's C++), and the documented constraints are enforced, so that a wrong argument from the
+adapter fails: FP8 only through an explicit ``dst_type`` (the default, 296, is FP4),
+``round_mode="rint"``, block 32, input dtypes and ranks, and for ``npu_quant_matmul`` in MX mode
+``K % 64 == 0``, paired scale shapes, and the same transpose attribute for each data tensor and its
+scale (op-plugin's stride test, ported from its QuantMatmulKernelNpuOpApi.cpp).
 
 Each call is logged (``StandIns.calls``) with the argument values it received, so tests can check
 what the adapter passed, and recorded in full (``StandIns.records``: the arguments as meta tensors,
@@ -61,10 +60,10 @@ _QMM_2_13 = (
     "int? x1_dtype=None, int? x2_dtype=None, int? pertoken_scale_dtype=None, "
     "int? scale_dtype=None, int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
 )
-# Older schemas, from the reference notes only (op-plugin op_plugin_functions.yaml): no torch_npu
-# for torch 2.13 has them, so they cannot be checked against a wheel here. They stay as tests of
-# the adapter's by-name argument placement. op-plugin tag 26.0.0 lacks max_low_bound and the
-# dual-axis op's dst_type_max (the notes name no other difference).
+# Older schemas, from op-plugin's tags only (op_plugin_functions.yaml, docs/npu.md §5.2): no
+# torch_npu for torch 2.13 has them, so they cannot be checked against a wheel here. They stay as
+# tests of the adapter's by-name argument placement. op-plugin tag 26.0.0 lacks max_low_bound and
+# the dual-axis op's dst_type_max (that section records no other difference).
 _MX_QUANT_26_0 = (
     'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '
     "int block_size=32, int? scale_alg=0, float dst_type_max=0.0) -> (Tensor, Tensor)"
@@ -74,13 +73,14 @@ _DUAL_26_0 = (
     "int dst_type=296, int scale_alg=0) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 # 7.x: no MX operators; npu_quant_matmul takes a ScalarType output_dtype and no *_dtype arguments.
-# (The notes give only this difference; the rest of the 7.x signature is 2.13.0's.)
+# (op-plugin's 7.x tags give this difference; the rest is the prototype that torch_npu 2.13.0's
+# own, older, docstring of npu_quant_matmul still shows, docs/npu.md §5.2.)
 _QMM_7X = (
     "npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
     "Tensor? pertoken_scale=None, Tensor? bias=None, ScalarType? output_dtype=None) -> Tensor"
 )
 
-# Schema strings per torch_npu release. "2.13.0" is the pinned release (docs/npu.md).
+# Schema strings per torch_npu release. "2.13.0" is the pinned release (docs/npu.md §2, §5.1).
 PINNED = "2.13.0"
 SCHEMAS = {
     PINNED: {
@@ -108,9 +108,10 @@ def torch_npu_loaded():
 
 
 # ------------------------------------------------------------------------------------------------
-# torch_npu's paired scale layout, after the aclnn golden (quant/dynamic_mx_quant_with_dual_axis/
-# tests/assets/golden.py): tail axis, consecutive blocks in pairs; another axis, (Mb/2, 2, N)
-# transposed to (Mb/2, N, 2). Odd block counts are padded with 0x00.
+# torch_npu's paired scale layout (docs/npu.md §5.5), after the aclnn golden
+# (quant/dynamic_mx_quant_with_dual_axis/tests/assets/golden.py): tail axis, consecutive blocks in
+# pairs; another axis, (Mb/2, 2, N) transposed to (Mb/2, N, 2). Odd block counts are padded with
+# 0x00.
 
 
 def golden_pair(scale, axis):
@@ -453,7 +454,7 @@ class StandIns:
         return ref.mx_matmul(x1, s1, x2.t(), s2.t(), OUT_DTYPE_BY_CODE[output_dtype])
 
 
-# op-plugin's transpose attributes, after its QuantMatmulKernelNpuOpApi.cpp
+# op-plugin's transpose attributes (docs/npu.md §5.7), after its QuantMatmulKernelNpuOpApi.cpp
 # (is_transpose_last_two_dims, is_transpose_certain_two_dims, is_x_scale_same_transpose; MX mode
 # compares the data's last two dims with the scale's first two). Read from strides as they are,
 # size-1 dims included.

@@ -200,7 +200,7 @@ def test_mx_quantize_block_refuses_float32(npu_pinned, adapter):
 
 # ------------------------------------------------------------------------------------------------
 # from an FP32 master: cast to param_dtype (one aten kernel), then the bf16/fp16 operators above
-# (torch_npu has no MX quantization that rounds fp32 on the way; docs/npu.md)
+# (torch_npu has no MX quantization that rounds fp32 on the way; docs/npu.md §4)
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES, ids=dtype_id)

@@ -1,6 +1,6 @@
 """The shared layout conversions of the NPU adapter (csrc/npu/mx_layout.cpp), on CPU tensors.
 
-torch_npu's paired scale (reference notes §1.3): along the blocked dim d with nb blocks the scale
+torch_npu's paired scale (docs/npu.md §5.5): along the blocked dim d with nb blocks the scale
 has ceil(nb/2) pairs and a trailing dim of 2; block 2i+t sits at [..., i, ..., t]; an odd nb is
 padded with byte 0x00. Checked three ways: element by element against that definition, against the
 golden-style Python of the stand-ins, and as round trips to the canonical float8_e8m0fnu scale.

@@ -337,7 +337,7 @@ def test_the_real_matmul_meta_checks_pass_on_what_the_adapter_passes(meta, npu_p
 
 
 def test_npu_anti_mx_quant_leaves_the_scale_layout_open(wheel, meta):
-    # Why mx_dequantize does not call npu_anti_mx_quant (docs/npu.md): its meta function takes
+    # Why mx_dequantize does not call npu_anti_mx_quant (docs/npu.md §4.1): its meta function takes
     # any mxscale shape, and the wheel documents neither the layout nor the rounding.
     anti = meta.functions[("npu", "npu_anti_mx_quant")]
     x = torch.empty(64, 96, dtype=E4M3, device="meta")

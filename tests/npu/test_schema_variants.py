@@ -1,7 +1,7 @@
 """The adapter reads torch_npu's schemas at run time: arguments by name, defaults filled in.
 
 Against the schema strings of the pinned torch_npu 2.13.0 (from its wheel) and of op-plugin 26.0.0
-(from the reference notes; the ``npu_ops`` fixture), a synthetic
+(from op-plugin's tags, docs/npu.md §5.2; the ``npu_ops`` fixture), a synthetic
 future one (arguments reordered, new defaulted ones), the 7.x releases (no MX operators) and broken
 variants: a missing operator, a missing or retyped argument, or an operator that ignores
 ``dst_type`` each give an error naming the operator, the argument and the torch_npu needed.
