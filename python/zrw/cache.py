@@ -819,7 +819,7 @@ def frozen_values(mode: str) -> Iterator[None]:
     merge_and_unload, fills it from that copy first) or "raise" (a named error for both)."""
     if mode not in FROZEN_MODES:
         raise ValueError(
-            f"zrw.state_dict.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
+            f"zrw.cache.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
         )
     prev = frozen_mode()
     _frozen_state.mode = mode

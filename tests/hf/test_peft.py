@@ -346,3 +346,44 @@ def test_parametrized_experts_warn():
     ):
         summary = zrw.convert(model)
     assert any("target_parameters" in why for why in summary.skipped.values())
+
+
+def test_writes_to_an_fp8_only_weight(monkeypatch):
+    """The transition behind the merge, write by write, on a frozen base released for good
+    without a master: `w.data.add_(d)` and an in-place write under no_grad fill it from its
+    dequantized FP8 copy first (the restore_frozen bytes), then apply; `w.data = t` takes t;
+    reads of the weight itself still raise the named release error, and requires_grad_ is
+    not a write (unfreezing without a master stays refused at the next use)."""
+    monkeypatch.setattr(cache, "_frozen_write_warned", False)
+    model = build("convert-first", True, "mxfp8-32x32", release_frozen=True)
+    train(model, steps=1)
+    ws = {n: m.weight for n, m in model.named_modules() if n.endswith("base_layer")}
+    ws.update({n: m.weight for n, m in model.named_modules() if n.endswith("k_proj")})
+    assert all(cache.cache_state(w) == "released_for_good" for w in ws.values())
+    assert all(type(w) is cache.FP8OnlyParameter for w in ws.values())
+    sd = _sd(model)
+    key = {id(p): k for k, p in model.named_parameters()}
+    a, b, c, d = list(ws.values())[:4]
+    with pytest.raises(RuntimeError, match=r"is released"):
+        a.sum()  # a read: the release poison, as before
+    a.requires_grad_(False)  # not a write
+    assert type(a) is cache.FP8OnlyParameter and cache.is_released(a)
+    with pytest.warns(UserWarning, match=r"filled it from its dequantized MXFP8 copy"):
+        a.data.add_(1.0)
+    assert type(a) is torch.nn.Parameter and not cache.is_cached(a)
+    assert torch.equal(a.detach(), sd[key[id(a)]] + 1.0)
+    with torch.no_grad():
+        b.mul_(2.0)
+    assert torch.equal(b.detach(), sd[key[id(b)]] * 2.0)
+    t = torch.zeros_like(sd[key[id(c)]])
+    c.data = t
+    assert c.data_ptr() == t.data_ptr() and not cache.is_cached(c)
+    assert type(c) is torch.nn.Parameter
+    # The next training forward quantizes the written values and releases them again.
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert cache.cache_state(a) == "released_for_good" and type(a) is cache.FP8OnlyParameter
+    # Unfreezing without a master is still refused by name at the next use.
+    d.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"released for good while frozen"):
+        model(input_ids=ids, labels=ids)
