@@ -850,6 +850,7 @@ _NOT_WRITES = frozenset(
     }
 )
 _DATA_GET = torch.Tensor.data.__get__
+_PASS_THROUGH = torch._C._disabled_torch_function_impl
 _DATA_SET = torch.Tensor.data.__set__
 
 
@@ -883,8 +884,8 @@ class FP8OnlyParameter(torch.nn.Parameter):
                 _write_to_fp8_only(w, "`.data`")
             elif _is_write(func):
                 _write_to_fp8_only(w, f"`{func.__name__}`")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        # Everything else as on nn.Parameter (torch's own pass-through, in C).
+        return _PASS_THROUGH(func, types, args, kwargs)
 
     def __deepcopy__(self, memo):
         with torch._C.DisableTorchFunctionSubclass():
