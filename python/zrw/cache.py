@@ -566,6 +566,7 @@ def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) ->
         if source is None and _STATES[torch.ops.zrw.cache_state(w)].released:
             raise _no_master_error(op, w)
     torch.ops.zrw.restore(w, fill, source)
+    _unmark_fp8_only(w)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
@@ -580,6 +581,7 @@ def restore_value(w: Tensor) -> Optional[Tensor]:
     master = master_of(w)
     if state.released:
         torch.ops.zrw.restore(w, "master" if master is not None else "dequant", master)
+        _unmark_fp8_only(w)
     elif state.cached:
         torch.ops.zrw.cache_invalidate(w, "dequant")
     return master

@@ -353,7 +353,8 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     without a master: `w.data.add_(d)` and an in-place write under no_grad fill it from its
     dequantized FP8 copy first (the restore_frozen bytes), then apply; `w.data = t` takes t;
     reads of the weight itself still raise the named release error, and requires_grad_ is
-    not a write (unfreezing without a master stays refused at the next use)."""
+    not a write (unfreezing without a master stays refused at the next use); a load restores
+    it with the loaded values."""
     monkeypatch.setattr(cache, "_frozen_write_warned", False)
     model = build("convert-first", True, "mxfp8-32x32", release_frozen=True)
     train(model, steps=1)
@@ -363,7 +364,7 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     assert all(type(w) is cache.FP8OnlyParameter for w in ws.values())
     sd = _sd(model)
     key = {id(p): k for k, p in model.named_parameters()}
-    a, b, c, d = list(ws.values())[:4]
+    a, b, c, d, e = list(ws.values())[:5]
     with pytest.raises(RuntimeError, match=r"is released"):
         a.sum()  # a read: the release poison, as before
     a.requires_grad_(False)  # not a write
@@ -379,6 +380,12 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     c.data = t
     assert c.data_ptr() == t.data_ptr() and not cache.is_cached(c)
     assert type(c) is torch.nn.Parameter
+    # A load restores it with the loaded values (no fill, no warning): an ordinary Parameter.
+    new = dict(sd, **{key[id(e)]: torch.full_like(sd[key[id(e)]], 0.5)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict({k: v for k, v in new.items() if k in {key[id(e)]}}, strict=False)
+    assert type(e) is torch.nn.Parameter and torch.equal(e.detach(), new[key[id(e)]])
     # The next training forward quantizes the written values and releases them again.
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
