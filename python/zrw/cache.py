@@ -788,7 +788,7 @@ def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
 
 # ---- frozen weights released for good without a master: the FP8 copy is their only value ----
 #
-# docs/design.md §5, "A write to an FP8-only weight". A frozen weight released for good
+# docs/design.md §5, "Events and transitions". A frozen weight released for good
 # (release_frozen=True) that no FP32 master backs has no BF16 value left in the process. A
 # write to it (PEFT's merge_and_unload: `base_layer.weight.data += delta`; `w.data.add_(..)`,
 # `w.copy_(t)` under no_grad) first fills it from its dequantized FP8 copy, its only value,
@@ -816,9 +816,10 @@ def frozen_mode() -> str:
 @contextlib.contextmanager
 def frozen_values(mode: str) -> Iterator[None]:
     """Within this block each frozen weight released for good is handled as `mode` says:
-    "dequant" (state_dict() and every save built on it give its dequantized FP8 copy, the only
-    value left, lossy against the BF16 weight it was made from; a write to it, PEFT's
-    merge_and_unload, fills it from that copy first) or "raise" (a named error for both)."""
+    "dequant" (state_dict() and every save built on it, torch.save of a state dict, PEFT's
+    save_pretrained, Trainer checkpoints, give its dequantized FP8 copy, the only value left,
+    lossy against the BF16 weight it was made from; a write to it, PEFT's merge_and_unload,
+    fills it from that copy first) or "raise" (a named error for both)."""
     if mode not in FROZEN_MODES:
         raise ValueError(
             f"zrw.cache.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
@@ -851,6 +852,13 @@ _NOT_WRITES = frozenset(
         "rename_",
     }
 )
+_DUNDER_WRITES = frozenset(
+    {"__setitem__"}
+    | {
+        f"__i{op}__"
+        for op in ("add sub mul matmul truediv floordiv mod pow and or xor lshift rshift".split())
+    }
+)
 _DATA_GET = torch.Tensor.data.__get__
 _PASS_THROUGH = torch._C._disabled_torch_function_impl
 _DATA_SET = torch.Tensor.data.__set__
@@ -858,8 +866,8 @@ _DATA_SET = torch.Tensor.data.__set__
 
 def _is_write(func) -> bool:
     name = getattr(func, "__name__", "")
-    if name.startswith("__i") and name.endswith("__"):
-        return True  # __iadd__, __imul__, ...
+    if name in _DUNDER_WRITES:
+        return True
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
 
 

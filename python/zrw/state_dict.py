@@ -28,11 +28,13 @@ from .record import find_record, record_of
 
 _state = threading.local()
 
-# Spawned-process keepalive; the frozen-weight mode (frozen_values) lives in zrw.cache, which
-# the write to a frozen weight released for good reads too (docs/design.md §5).
+# The frozen-weight mode (frozen_values) lives in zrw.cache, whose write to a frozen weight
+# released for good reads it too (docs/design.md §5); these are the same objects.
 FROZEN_MODES = cache.FROZEN_MODES
 frozen_mode = cache.frozen_mode
 frozen_values = cache.frozen_values
+# Fresh copies of released weights pickled for a process being spawned, kept for as long as
+# its Popen object lives (see ReleasedWeightsStateDict.__getstate__).
 _spawn_keepalive: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _frozen_warned = False
 

@@ -364,7 +364,7 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     assert all(type(w) is cache.FP8OnlyParameter for w in ws.values())
     sd = _sd(model)
     key = {id(p): k for k, p in model.named_parameters()}
-    a, b, c, d, e = list(ws.values())[:5]
+    a, b, c, d, e, f = list(ws.values())[:6]
     with pytest.raises(RuntimeError, match=r"is released"):
         a.sum()  # a read: the release poison, as before
     a.requires_grad_(False)  # not a write
@@ -376,6 +376,11 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     with torch.no_grad():
         b.mul_(2.0)
     assert torch.equal(b.detach(), sd[key[id(b)]] * 2.0)
+    with torch.no_grad():
+        f[0, :3] = 1.0  # __setitem__
+    expect = sd[key[id(f)]].clone()
+    expect[0, :3] = 1.0
+    assert torch.equal(f.detach(), expect) and type(f) is torch.nn.Parameter
     t = torch.zeros_like(sd[key[id(c)]])
     c.data = t
     assert c.data_ptr() == t.data_ptr() and not cache.is_cached(c)
