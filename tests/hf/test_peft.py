@@ -187,15 +187,18 @@ def _sd(model):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
-def test_merge_on_a_base_released_for_good(recipe, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "recipe, safe", [("mxfp8", False), ("mxfp8-32x32", False), ("mxfp8-32x32", True)]
+)
+def test_merge_on_a_base_released_for_good(recipe, safe, tmp_path, monkeypatch):
     """merge_and_unload on a frozen base released for good (FP8 only), as PEFT merges a
     quantized base: each merged base weight is filled from its dequantized FP8 copy, the delta
     added, with one warning that names a weight and says it rounds. The merged model equals,
     bit for bit, the merge after zrw.cache.restore_frozen and PEFT's own merge on a plain
     model holding the dequantized base; it saves (save_pretrained, save_safetensors) and
     reloads with the same bits. Under frozen_values("raise") the merge is refused by name and
-    nothing changes (the merge afterwards gives the same bits)."""
+    nothing changes (the merge afterwards gives the same bits). The same with PEFT's
+    safe_merge=True (it copies the base through `.data` first)."""
     # The same run twice (build() clears the cache: the first model is restored before the
     # second is built).
     restored = build("convert-first", True, recipe, release_frozen=True)
@@ -214,7 +217,7 @@ def test_merge_on_a_base_released_for_good(recipe, tmp_path, monkeypatch):
             match=r"write through `\.data` to frozen weight 'model\.layers\.0\.self_attn\.q_proj"
             r"\.weight'.*frozen_values\('raise'\).*Nothing was changed",
         ):
-            direct.merge_and_unload()
+            direct.merge_and_unload(safe_merge=safe)
     assert all(cache.cache_state(w) == "released_for_good" for w in frozen)
     assert not any(m.merged for m in _lora_layers(direct)) and _lora_layers(direct)
     for k, v in _sd(direct).items():
@@ -224,7 +227,7 @@ def test_merge_on_a_base_released_for_good(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "_frozen_write_warned", False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        merged = direct.merge_and_unload()
+        merged = direct.merge_and_unload(safe_merge=safe)
     msgs = [str(w.message) for w in seen if "filled it from its dequantized" in str(w.message)]
     assert (
         len(msgs) == 1
@@ -235,13 +238,13 @@ def test_merge_on_a_base_released_for_good(recipe, tmp_path, monkeypatch):
     got = _sd(merged)
 
     # = the merge after restore_frozen
-    for k, v in _sd(restored.merge_and_unload()).items():
+    for k, v in _sd(restored.merge_and_unload(safe_merge=safe)).items():
         assert torch.equal(got[k], v), k
 
     # = PEFT's merge on a plain (unconverted) model holding the dequantized base
     plain = lora(tiny_qwen3())
     plain.load_state_dict(before)
-    expect = _sd(plain.merge_and_unload())
+    expect = _sd(plain.merge_and_unload(safe_merge=safe))
     assert set(expect) == set(got)
     for k, v in expect.items():
         assert torch.equal(got[k], v), k
