@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import inspect
 import multiprocessing.context
+import sys
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -999,11 +1001,90 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     cache.unregister_owner(params, optimizer)
 
 
+def _running_hf_trainer() -> Any:
+    """The Hugging Face Trainer (or a subclass: TRL's SFTTrainer) whose training loop is on the
+    call stack, or None. The Trainer hands the optimizer it steps nothing of its arguments, so
+    its `args.max_grad_norm` is read from the frame of its method that calls `step()`: only
+    when transformers' trainer module is loaded (never imported here), and only for a step
+    over main_grad weights (docs/design.md §5, main_grad)."""
+    module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    if not isinstance(trainer_cls, type):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, trainer_cls):
+                return obj
+        frame = frame.f_back
+    return None
+
+
+def _main_grad_params(optimizer: "MasterWeights") -> List[torch.Tensor]:
+    return [p for p in _params_of(optimizer) if getattr(p, "main_grad", None) is not None]
+
+
+def _refuse_unclipped_main_grad(optimizer: "MasterWeights") -> None:
+    """main_grad under the Hugging Face Trainer (docs/huggingface.md). The Trainer clips with
+    `clip_grad_norm_(model.parameters(), args.max_grad_norm)`, which reads `.grad` only: a
+    weight whose gradient is in its FP32 main_grad would go unclipped and be left out of the
+    logged norm. With `max_grad_norm > 0` the step is refused here, before anything changes,
+    naming the two settings that clip it right; with `max_grad_norm=0` (clipping in
+    MasterWeights, over every FP32 gradient) one warning says that the Trainer's logged
+    `grad_norm` still covers `.grad` only."""
+    fp32_only = _main_grad_params(optimizer)
+    if not fp32_only:
+        return
+    trainer = _running_hf_trainer()
+    if trainer is None:
+        return
+    clip = getattr(getattr(trainer, "args", None), "max_grad_norm", None)
+    names = ", ".join(
+        repr(cache.weight_name(local_tensor(p)) or f"<shape {tuple(p.shape)}>")
+        for p in fp32_only[:8]
+    )
+    more = f" and {len(fp32_only) - 8} more" if len(fp32_only) > 8 else ""
+    if isinstance(clip, (int, float)) and clip > 0:
+        own = optimizer.max_grad_norm
+        raise RuntimeError(
+            f"zrw.optim.{type(optimizer).__name__}.step: Hugging Face's Trainer clips the "
+            f"gradients with TrainingArguments.max_grad_norm={clip} over the parameters' .grad "
+            f"only, but {len(fp32_only)} weight(s) keep their gradient in FP32 main_grad "
+            f"(zrw.convert(..., main_grad=True)): {names}{more}; they would go unclipped and "
+            "the logged grad_norm would leave them out. Nothing was stepped. Clip in the "
+            "optimizer instead, over every FP32 gradient, main_grad included: pass "
+            "TrainingArguments(max_grad_norm=0) and zrw.optim.AdamW(..., max_grad_norm="
+            f"{clip}) (MasterWeights(..., max_grad_norm=...); its norm before clipping is "
+            "optimizer.last_grad_norm)"
+            + (
+                ""
+                if own is None
+                else f" (this optimizer already clips with max_grad_norm={own}: the Trainer "
+                "would clip the .grad gradients a second time)"
+            )
+        )
+    if not getattr(optimizer, "_warned_trainer_norm", False):
+        optimizer._warned_trainer_norm = True  # once per optimizer
+        warnings.warn(
+            f"zrw: the grad_norm that Hugging Face's Trainer logs is the norm of the "
+            f"parameters' .grad only; {len(fp32_only)} weight(s) keep their gradient in FP32 "
+            f"main_grad and are not in it ({names}{more}). The norm over every gradient is "
+            "the optimizer's last_grad_norm (computed when it clips: "
+            "zrw.optim.AdamW(..., max_grad_norm=...))",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _refuse_released_params(optimizer, args, kwargs) -> None:
     """Global step pre-hook: an optimizer without the zrw boundary that would step a released
     weight raises here, before it changes any state (its step would fail on the weight's
-    poison half-way, after updating others)."""
+    poison half-way, after updating others). A MasterWeights over main_grad weights under a
+    Trainer that clips `.grad` is refused here too (_refuse_unclipped_main_grad)."""
     if isinstance(optimizer, MasterWeights):
+        _refuse_unclipped_main_grad(optimizer)
         return
     fp32_only = [
         p

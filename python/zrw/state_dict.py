@@ -28,36 +28,15 @@ from .record import find_record, record_of
 
 _state = threading.local()
 
-FROZEN_MODES = ("dequant", "raise")
+# The frozen-weight mode (frozen_values) lives in zrw.cache, whose write to a frozen weight
+# released for good reads it too (docs/design.md §5); these are the same objects.
+FROZEN_MODES = cache.FROZEN_MODES
+frozen_mode = cache.frozen_mode
+frozen_values = cache.frozen_values
 # Fresh copies of released weights pickled for a process being spawned, kept for as long as
 # its Popen object lives (see ReleasedWeightsStateDict.__getstate__).
 _spawn_keepalive: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _frozen_warned = False
-
-
-def frozen_mode() -> str:
-    """How state_dict() gives a frozen weight released for good (release_frozen=True), whose
-    MXFP8 copy is its only value: "dequant" (the default: its dequantized FP8 values, with a
-    warning once per process) or "raise" (a named error). Set it with `frozen_values`."""
-    return getattr(_state, "frozen", "dequant")
-
-
-@contextlib.contextmanager
-def frozen_values(mode: str) -> Iterator[None]:
-    """Within this block, state_dict() (and every save built on it: torch.save of a state
-    dict, PEFT's save_pretrained, Trainer checkpoints) gives each frozen weight released for
-    good as `mode` says: "dequant" (its dequantized FP8 copy, the only value left; lossy
-    against the BF16 weight it was made from) or "raise"."""
-    if mode not in FROZEN_MODES:
-        raise ValueError(
-            f"zrw.state_dict.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
-        )
-    prev = frozen_mode()
-    _state.frozen = mode
-    try:
-        yield
-    finally:
-        _state.frozen = prev
 
 
 def warn_frozen_dequant(name: str) -> None:

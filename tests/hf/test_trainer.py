@@ -5,7 +5,10 @@ accumulation 2, clipping at max_grad_norm=1.0, a checkpoint and a resume: releas
 for bit what release off gives (losses, gradient norms, final weights, the checkpoint), and the
 checkpoint loads into a plain (unconverted) model. With the Trainer's own default optimizer
 zrw releases nothing (no optimizer with the zrw boundary owns the weights), warns once naming
-the fix, and trains exactly as release off."""
+the fix, and trains exactly as release off. With convert(..., main_grad=True) the Trainer's own
+clipping (max_grad_norm > 0, over .grad only) is refused by zrw.optim.AdamW at the first step,
+before anything changes; clipping in the optimizer (TrainingArguments(max_grad_norm=0) +
+zrw.optim.AdamW(max_grad_norm=...)) covers every FP32 gradient, main_grad included (issue 31)."""
 
 import json
 import warnings
@@ -178,3 +181,124 @@ def test_main_grad_with_a_plain_optimizer_is_refused():
         opt.step()
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("how", ["cls", "instance", "both-clip"])
+def test_main_grad_with_trainer_clipping_is_refused_before_any_step(tmp_path, how):
+    """convert(..., main_grad=True) under the Trainer's default max_grad_norm=1.0: the Trainer
+    clips .grad only, so the main_grad weights would go unclipped and the logged norm would
+    leave them out. zrw.optim.AdamW refuses at the first step, naming both settings, before
+    anything changes (also when it clips itself: the Trainer would clip .grad twice)."""
+    cache.cache_clear()
+    model = tiny_qwen3()
+    zrw.convert(model, main_grad=True)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kw = {}
+    if how == "instance":
+        kw["optimizers"] = (zrw.optim.AdamW(model.parameters(), lr=1e-3), None)
+    else:
+        extra = {"max_grad_norm": 1.0} if how == "both-clip" else {}
+        kw["optimizer_cls_and_kwargs"] = (zrw.optim.AdamW, {"lr": 1e-3, **extra})
+    trainer = Trainer(
+        model=model, args=args(tmp_path, save_strategy="no"), train_dataset=Tokens(), **kw
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"max_grad_norm=1\.0 over the parameters' \.grad only.*main_grad.*"
+        r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*Nothing was stepped.*"
+        r"TrainingArguments\(max_grad_norm=0\) and zrw\.optim\.AdamW\(\.\.\., max_grad_norm=1\.0\)",
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    opt = trainer.optimizer.optimizer
+    assert not opt.inner.state, "the inner AdamW took no step"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _fp32_grads(opt):
+    """Each parameter's gradient in FP32, in the optimizer's order: main_grad, else .grad."""
+    out = []
+    for p in _params(opt):
+        mg = getattr(p, "main_grad", None)
+        out.append(mg.clone() if mg is not None else p.grad.float())
+    return out
+
+
+def _params(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _values(model, opt):
+    """The model's weights (state_dict: exact, also for released ones), in the optimizer's
+    order."""
+    sd = model.state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [sd[names[id(p)]].clone() for p in _params(opt)]
+
+
+def test_main_grad_opt_out_clips_every_fp32_gradient(tmp_path):
+    """The opt-out path: TrainingArguments(max_grad_norm=0) + zrw.optim.AdamW(max_grad_norm=1)
+    clips over every FP32 gradient, main_grad included, with torch.nn.utils.clip_grad_norm_'s
+    numbers: its norm and its first update equal clip_grad_norm_ + torch.optim.AdamW on FP32
+    copies of the same weights and gradients, bit for bit. Against the `.grad` run that the
+    Trainer clips itself (max_grad_norm=1.0) the norm agrees up to the BF16 gradients'
+    rounding (the Trainer's own norm over .grad only leaves the main_grad weights out). One
+    warning says that the Trainer's logged grad_norm covers .grad only."""
+    cache.cache_clear()
+    model = tiny_qwen3()
+    zrw.convert(model, main_grad=True)
+    seen = {}
+
+    class Probe(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            if state.global_step == 0:
+                opt = optimizer.optimizer
+                seen["grads"] = _fp32_grads(opt)
+                seen["weights"] = [w.float() for w in _values(model, opt)]
+                seen["groups"] = [
+                    ({k: v for k, v in g.items() if k != "params"}, len(g["params"]))
+                    for g in opt.param_groups
+                ]
+                seen["logged"] = None
+
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            if state.global_step == 0:
+                opt = optimizer.optimizer
+                seen["norm"] = opt.last_grad_norm
+                seen["masters"] = [m.clone() for ms in opt.masters for m in ms]
+                seen["after"] = _values(model, opt)
+
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path / "mg", max_grad_norm=0.0, save_strategy="no"),
+        train_dataset=Tokens(),
+        optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3, "max_grad_norm": 1.0}),
+        callbacks=[Probe()],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    msgs = [str(w.message) for w in caught if "Trainer logs is the norm" in str(w.message)]
+    assert len(msgs) == 1 and "last_grad_norm" in msgs[0], msgs
+    assert "'model.layers.0.self_attn.q_proj.weight'" in msgs[0]
+    # An independent step on FP32 copies: torch's clip_grad_norm_, then torch's AdamW.
+    ref = [w.clone().requires_grad_() for w in seen["weights"]]
+    for r, g in zip(ref, seen["grads"]):
+        r.grad = g
+    norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert float(norm) == seen["norm"] and seen["norm"] > 1.0, "clipped, main_grad included"
+    groups, i = [], 0
+    for hyper, n in seen["groups"]:
+        groups.append({**hyper, "params": ref[i : i + n]})
+        i += n
+    assert i == len(ref)
+    torch.optim.AdamW(groups).step()
+    for r, m, got in zip(ref, seen["masters"], seen["after"]):
+        assert torch.equal(r.detach(), m)
+        assert torch.equal(r.detach().to(BF16), got)
+    # The `.grad` run, clipped by the Trainer: the same norm up to the BF16 gradients.
+    logs = train(tmp_path / "grad", True, "cls")[0]
+    assert abs(logs[0][1] - seen["norm"]) < 0.02 * seen["norm"], (logs[0][1], seen["norm"])
+    # ... while the Trainer's own log of the main_grad run covers .grad only (the warning).
+    assert trainer.state.log_history[0]["grad_norm"] < 0.9 * seen["norm"]
