@@ -773,10 +773,12 @@ class WeightCache {
           "weights: a frozen weight released for good with release_frozen=True, whose MXFP8 "
           "copy alone holds its values). It holds no data now. "
           "model.state_dict() gives its dequantized FP8 values (see zrw.checkpoint."
-          "frozen_values); to write into it (PEFT's merge_and_unload, an in-place update), "
-          "first bring it back from its FP8 copy (lossy: the only value left) with "
-          "zrw.cache.restore_frozen(model) or zrw.cache.cache_invalidate(w); its next use "
-          "then quantizes the written values. (zrw.cache.restore_all skips frozen weights.)");
+          "frozen_values). A write through the parameter itself (`.data`, an in-place op, "
+          "PEFT's merge_and_unload) fills it from its FP8 copy first, with a warning; to read "
+          "its bytes or write through another view, first bring it back from its FP8 copy "
+          "(lossy: the only value left) with zrw.cache.restore_frozen(model) or "
+          "zrw.cache.cache_invalidate(w); its next use then quantizes the written values. "
+          "(zrw.cache.restore_all skips frozen weights.)");
       return;
     }
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(
