@@ -210,10 +210,10 @@ def test_bench_quant_every_kernel_build_in_its_own_process():
 
 @pytest.fixture(scope="module")
 def step_run():
-    """`bench step` at a tiny size, once for the tests of its tables and of its ledger. torchao's
-    low-bit steps are traced by dynamo but run by its eager backend (TORCH_COMPILE_OVERRIDE_BACKENDS):
-    the live bytes the ledger checks are the same, and a fresh machine compiles no C++ (inductor's
-    cold compile of the step took minutes here)."""
+    """`bench step` at a tiny size, once for the tests of its tables and of its ledger.
+    torchao's low-bit steps are traced by dynamo but run by its eager backend
+    (TORCH_COMPILE_OVERRIDE_BACKENDS): the live bytes the ledger checks are the same, and a
+    fresh machine compiles no C++ (inductor's cold compile of the step took minutes here)."""
     return run_bench(
         "step",
         "--dim",
