@@ -328,7 +328,14 @@ __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, c
     cc = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc)),
                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc + W)));
   }
-  const __m256i low = _mm256_min_epu8(bc, cc);
+  __m256i low;
+  if constexpr (BLK && COL) {
+    low = _mm256_min_epu8(bc, cc);
+  } else if constexpr (BLK) {
+    low = bc;
+  } else {
+    low = cc;
+  }
   if (__builtin_expect(
           _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(low, below), low)) != 0, 0)) {
     return false;
@@ -563,7 +570,10 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
   if constexpr (BK == BlockKind::Tile) {
     for (int b = 0; b < nbw; ++b) {
       const uint16_t* ck = s.col_key + kBlock * b;
-      const uint32_t key = *std::max_element(ck, ck + kBlock);
+      V m = load<V>(ck);
+      for (int h = 1; h < R; ++h) m = vmax(m, load<V>(ck + W * h));
+      uint32_t key = 0;
+      for (int l = 0; l < W; ++l) key = std::max<uint32_t>(key, static_cast<uint16_t>(m[l]));
       const uint8_t byte = mx::scale_byte_from_amax_key<F>(key << 16, mode);
       s.tile_byte[b] = byte;
       s.tile_k[b] = code_const<F>(byte);
