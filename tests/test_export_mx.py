@@ -363,24 +363,9 @@ def test_refuses_expert_stacks_unless_asked_for_bf16(tmp_path):
     """torchao 0.18's MXTensor cannot run transformers' fused experts: a 3-d stack is refused
     by name; experts='bf16' exports it as its exact BF16 value (from the master), the linear
     weights as MX, and the reloaded model runs."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from helpers.models import make_model
 
-    cfg = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).to(BF16)
+    model = make_model("moe", layers=1)
     zrw.convert(model)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 128, (1, 8))
@@ -391,7 +376,7 @@ def test_refuses_expert_stacks_unless_asked_for_bf16(tmp_path):
     path = tmp_path / "moe.safetensors"
     export_mx(model, path, experts="bf16")
     stacks = {k: v for k, v in model.state_dict().items() if "experts" in k}
-    fresh = load_mx(Qwen3MoeForCausalLM(cfg).to(BF16), path)
+    fresh = load_mx(make_model("moe", seed=1, layers=1), path)
     for k, v in stacks.items():
         assert torch.equal(fresh.state_dict()[k], v), k
     assert isinstance(fresh.model.layers[0].self_attn.q_proj.weight, MXTensor)
