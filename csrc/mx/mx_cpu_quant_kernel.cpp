@@ -102,9 +102,12 @@ constexpr int fold_src(int S, int i, bool hi) {  // lane i of the fold: lane of 
 template <int S, int... I>
 __attribute__((always_inline)) inline V fold(V a, V b, std::integer_sequence<int, I...>) {
   if constexpr (S == 2) {
+    // Even lanes from a's pair maxima, odd lanes from b's: a blend written as masks (SSE2 has no
+    // 16-bit blend; a shuffle there became a pextrw/pinsrw per lane).
     const V ea = vmax(a, reinterpret_cast<V>(reinterpret_cast<VU32>(a) >> 16));
     const V eb = vmax(b, reinterpret_cast<V>(reinterpret_cast<VU32>(b) << 16));
-    return __builtin_shufflevector(ea, eb, (I % 2 ? W + I : I)...);
+    return reinterpret_cast<V>((reinterpret_cast<VU32>(ea) & 0xFFFFu) |
+                               (reinterpret_cast<VU32>(eb) & 0xFFFF0000u));
   } else {
     return vmax(__builtin_shufflevector(a, b, fold_src(S, I, false)...),
                 __builtin_shufflevector(a, b, fold_src(S, I, true)...));
@@ -203,8 +206,6 @@ inline float value(In<S> x) {
   }
 }
 
-// W elements -> their keys: bf16 bits, the bf16 rounding of an FP32 master (RNE; a NaN stays a
-// NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
 // The high 16 bits of two registers of 32-bit lanes, in order.
 template <int... I>
 __attribute__((always_inline)) inline V high_halves(VU32 lo, VU32 hi,
@@ -217,15 +218,18 @@ __attribute__((always_inline)) inline V high_halves(VU32 lo, VU32 hi,
   return __builtin_shufflevector(reinterpret_cast<V>(lo), reinterpret_cast<V>(hi), (2 * I + 1)...);
 #endif
 }
-// kLanes32 fp32 values -> keys in the high halves of their bits: bf16 rounding (RNE; a NaN stays
-// a NaN: ORing a quiet NaN's exponent after the add instead of a select), or jammed bf16.
+// kLanes32 fp32 values -> keys in the high halves of their bits (the low halves are dropped):
+// * bf16 rounding, to nearest even. A NaN is made +Inf first (the add could carry out of its
+//   payload into the sign): an exponent-0xFF key either way, so its block and column get the
+//   0xFF scale, and those runs take the exact path, which reads the element itself.
+// * jammed bf16: bit 16 is ORed with the carry of (low half + 0xFFFF), set when a dropped bit is.
 template <Src S>
 __attribute__((always_inline)) inline VU32 key_bits(VU32 u) {
   if constexpr (S == Src::F32AsBF16) {
-    const VU32 nan = reinterpret_cast<VU32>(reinterpret_cast<VI32>(u & 0x7FFFFFFFu) > 0x7F800000);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) | (nan & 0x7FC00000u);
+    u = reinterpret_cast<VU32>(nan_to_inf(reinterpret_cast<VF>(u)));
+    return u + 0x7FFFu + ((u >> 16) & 1u);
   } else {
-    return u | (((u & 0xFFFFu) + 0xFFFFu) & 0x10000u);  // jam
+    return u | ((u & 0xFFFFu) + 0xFFFFu);
   }
 }
 // W fp32 values -> their keys (S: F32AsBF16, or jammed).

@@ -106,8 +106,16 @@ inline void store_32_bytes(uint8_t* p, const V* c, bool nt) {
   if (nt) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), b);
   return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
 #else
+  // Two registers to 16 bytes at a time (one pack, one store; not one per 8 bytes).
+  static_assert(kLanes == 8, "the base build has 128-bit registers");
   (void)nt;
-  for (int h = 0; h < 32 / kLanes; ++h) store(p + kLanes * h, narrow(c[h]));
+  typedef int16_t V16 __attribute__((vector_size(32)));
+  typedef uint8_t VB16 __attribute__((vector_size(16)));
+  for (int h = 0; h < 4; h += 2) {
+    const V16 two = __builtin_shufflevector(c[h], c[h + 1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                            12, 13, 14, 15);
+    store(p + kLanes * h, __builtin_convertvector(two, VB16));
+  }
 #endif
 }
 #pragma GCC diagnostic pop
@@ -121,6 +129,25 @@ inline void store_packed_run(uint8_t* p, __m256i b, bool nt) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
 }
 #endif
+
+// min(v, +Inf) lane by lane, a NaN lane giving +Inf: x86's minps returns its second operand
+// when either is a NaN, so it is one instruction there (the compare-and-select elsewhere has the
+// same result).
+inline VF nan_to_inf(VF v) {
+  const VF inf = reinterpret_cast<VF>(VU32{} + 0x7F800000u);
+#if defined(__AVX512BW__)
+  return reinterpret_cast<VF>(
+      _mm512_min_ps(reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(inf)));
+#elif defined(__AVX2__)
+  return reinterpret_cast<VF>(
+      _mm256_min_ps(reinterpret_cast<__m256>(v), reinterpret_cast<__m256>(inf)));
+#elif defined(__SSE2__)
+  return reinterpret_cast<VF>(
+      _mm_min_ps(reinterpret_cast<__m128>(v), reinterpret_cast<__m128>(inf)));
+#else
+  return v < inf ? v : inf;
+#endif
+}
 
 // Orders the non-temporal stores before what follows (the end of a parallel_for chunk).
 inline void store_fence() {

@@ -11,8 +11,9 @@ The masters are built from fp32 bit patterns where the rounding to the parameter
 exact ties (low 16 bits 0x8000 for bf16, low 13 bits 0x1000 for fp16, odd and even kept bits,
 fp16-subnormal ties), block amaxes that round up into the next binade or onto / past the 1.75
 mantissa where "rceil" moves the scale, finite values that round to +-Inf (the block's scale
-becomes 0xFF although the master is finite), fp32 subnormals, NaN, +-Inf and signed zeros, and
-randn spread over many binades. Each kind is built with its blocks along K and along N.
+becomes 0xFF although the master is finite), fp32 subnormals, NaNs of either sign and any
+payload, +-Inf and signed zeros, and randn spread over many binades. Each kind is built with its
+blocks along K and along N.
 """
 
 import math
@@ -177,7 +178,11 @@ def make_master(kind, shape, dim, param_dtype, seed):
         x = torch.where(only_sub | (rand(size) < 0.5), sub, small) * sign(size)
     elif kind == "nonfinite":
         x = randn_blocks()
-        special = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 1.0])
+        # NaNs with every sign and payload edge: the canonical quiet one, the largest payloads
+        # (0x7FFFFFFF, 0xFFFFFFFF: a rounding add would carry into the sign), signalling ones.
+        nan_bits = [0x7FC00000, 0x7FFFFFFF, -1, 0x7F800001, -0x007FFFFF, -0x00400000]
+        nans = torch.tensor(nan_bits, dtype=torch.int32).view(torch.float32)
+        special = torch.cat([nans, torch.tensor([math.inf, -math.inf, 1.0, 1.0, 1.0])])
         x = put_one(x, special[randint(0, len(special) - 1, (rows, nblocks))])
         x[:, :1, :] = torch.where(torch.arange(BLOCK) % 2 == 0, 0.0, -0.0)  # +-0 blocks
     else:
