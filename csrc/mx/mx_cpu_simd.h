@@ -17,6 +17,7 @@
 #endif
 
 #include <cstdint>
+#include <utility>
 
 #include "../common/mx_format.h"
 
@@ -147,6 +148,22 @@ inline VF nan_to_inf(VF v) {
 #else
   return v < inf ? v : inf;
 #endif
+}
+
+// Two registers of 32-bit lanes (values in -0x8000 .. 0x7FFF) -> one of 16-bit lanes, a's lanes
+// then b's: one packssdw on SSE2 (the wider ISAs' packs work per 128-bit chunk: the generic
+// conversion there).
+template <int... I>
+inline V pack_i32(VI32 a, VI32 b, std::integer_sequence<int, I...>) {
+#if defined(__SSE2__) && !defined(__AVX2__)
+  return reinterpret_cast<V>(
+      _mm_packs_epi32(reinterpret_cast<__m128i>(a), reinterpret_cast<__m128i>(b)));
+#else
+  return __builtin_convertvector(__builtin_shufflevector(a, b, I...), V);
+#endif
+}
+inline V pack_i32(VI32 a, VI32 b) {
+  return pack_i32(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
 // Orders the non-temporal stores before what follows (the end of a parallel_for chunk).
