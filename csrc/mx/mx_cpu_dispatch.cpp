@@ -142,7 +142,17 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
   } else if (round_to == at::kHalf) {
     kind = Src::F32AsF16;
   }
-  chosen().quantize(src, kind, nmat, N, K, fmt, mode, out);
+  QuantizeMatricesFn quantize = chosen().quantize;
+#if defined(ZRW_HAVE_X86_ISAS)
+  // fp32 and fp16 sources take the AVX2 kernels on an AVX-512 CPU (as the former per-ISA code
+  // did): in cache they are as fast (an FP32 master's dual-axis 3.3x an fp32 copy against 3.6x),
+  // and from DRAM the 512-bit build's fp32 row-block trees were 1.2-1.7x slower (4096x4096, one
+  // thread; docs/benchmarks.md "Issue 30, third session"). The AVX-512 build compiles bf16 only.
+  if (kind != Src::BF16 && quantize == &avx512::quantize_matrices) {
+    quantize = &avx2::quantize_matrices;
+  }
+#endif
+  quantize(src, kind, nmat, N, K, fmt, mode, out);
 }
 
 void dequantize_row_blocks(mx::ElemFormat fmt, const uint8_t* data, const uint8_t* scales,

@@ -728,20 +728,29 @@ void quantize(const void* src, int64_t nmat, int64_t N, int64_t K, ScaleMode mod
   }
 }
 
+// The AVX-512 build takes bf16 sources only: the dispatcher gives fp32 and fp16 sources to the
+// AVX2 build (mx_cpu_dispatch.cpp says why).
+constexpr bool kWideSources = W != 32;
+
 template <ElemFormat F>
 void quantize_fmt(const void* src, Src kind, int64_t nmat, int64_t N, int64_t K, ScaleMode mode,
                   const QuantOutputs& o) {
-  switch (kind) {
-    case Src::BF16:
-      return quantize<F, Src::BF16>(src, nmat, N, K, mode, o);
-    case Src::F16:
-      return quantize<F, Src::F16>(src, nmat, N, K, mode, o);
-    case Src::F32:
-      return quantize<F, Src::F32>(src, nmat, N, K, mode, o);
-    case Src::F32AsBF16:
-      return quantize<F, Src::F32AsBF16>(src, nmat, N, K, mode, o);
-    case Src::F32AsF16:
-      return quantize<F, Src::F32AsF16>(src, nmat, N, K, mode, o);
+  if constexpr (!kWideSources) {
+    if (kind != Src::BF16) __builtin_trap();  // the dispatcher never sends one here
+    quantize<F, Src::BF16>(src, nmat, N, K, mode, o);
+  } else {
+    switch (kind) {
+      case Src::BF16:
+        return quantize<F, Src::BF16>(src, nmat, N, K, mode, o);
+      case Src::F16:
+        return quantize<F, Src::F16>(src, nmat, N, K, mode, o);
+      case Src::F32:
+        return quantize<F, Src::F32>(src, nmat, N, K, mode, o);
+      case Src::F32AsBF16:
+        return quantize<F, Src::F32AsBF16>(src, nmat, N, K, mode, o);
+      case Src::F32AsF16:
+        return quantize<F, Src::F32AsF16>(src, nmat, N, K, mode, o);
+    }
   }
 }
 
