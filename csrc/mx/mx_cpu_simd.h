@@ -9,7 +9,8 @@
 // The vectors are GCC vector extensions (`vector_size`), so the arithmetic, compares, shuffles
 // (__builtin_shufflevector) and narrowing (__builtin_convertvector) are written once and lowered
 // to each ISA's instructions by the compiler. The few things that are not (a test of any lane,
-// non-temporal stores, fp16 conversion) are the per-ISA parts at the end of this header.
+// non-temporal stores, a NaN-to-Inf min, an in-order pack on SSE2, fp16 conversion) are the
+// per-ISA parts at the end of this header.
 #pragma once
 
 #if !defined(ZRW_CPU_ISA)
