@@ -23,7 +23,9 @@
 //   k = -0x8000, which makes every code negative. So one test, "a code below 2^M", finds each
 //   32-element run the identity does not cover, and that run is redone by the exact path
 //   (mx::encode_elem_lane on x * 2^-e, on 16 fp32 lanes, kElemNaN for 0xFF blocks). The bytes
-//   are the reference's for every input; on randn data ~0.3% of runs per plane take it.
+//   are the reference's for every input; on randn data ~0.3% of runs per plane take it. The
+//   exact path is out of line; the fast loops list the runs that need it and it runs after each
+//   loop (a call inside one would clobber the loop's vector registers).
 // * fp32 and fp16 inputs are taken as "jammed bf16" keys: the top 16 bits with the OR of the
 //   dropped bits put into the lowest kept bit. Jamming is monotone (block amaxes keep their order,
 //   exponent and above-1.75 test) and the jammed bit lies below every rounding position used
@@ -38,7 +40,8 @@
 //   block. Amaxes down the columns are a vertical max.
 // * Blocks along rows only (mx_quantize along the contiguous axis): the rows are one stream of
 //   blocks, 64 at a time: the amaxes of the group first (independent trees for the out-of-order
-//   core), then the codes from L1; a software prefetch runs one group ahead.
+//   core), then the codes from L1; a software prefetch runs one group ahead. (The base build
+//   encodes each tree's 8 blocks after it, without the prefetch: see row_group.)
 // * Blocks down the columns, 32x32 tiles, dual-axis: strips of 32 rows, in chunks of up to 2048
 //   columns (128 KiB as 16-bit keys, held in L2). Pass 1 reads the chunk row by row (each row
 //   segment one sequential stream, the next row prefetched), computes the row blocks' scales and
@@ -141,15 +144,23 @@ constexpr std::array<int, W> kLaneOfLeaf = lane_of_leaf();
 // time), the leaves loaded in ascending memory order: one stream the hardware prefetchers follow.
 // (Loaded in the lanes' order, 0, 8, 2, 10, ... on AVX2, and in descending order, the row path
 // from an FP32 master was 1.5-1.9x slower at 4096 x 4096 than with the former per-ISA code.)
-template <int N, typename Block>
+// PAIRS: each pair's second block first (1, 0, 3, 2, ...), as the former AVX2 code read them.
+// The row path takes it: from an FP32 master at 4096 x 4096 on AVX2, in-order leaves took
+// 1.04-1.15x the former code's time and pairs 1.00-1.04x (one process, the same buffers); the
+// strips' row trees were 1.03-1.04x slower with pairs, so they keep the plain order.
+template <int N, bool PAIRS, typename Block>
 __attribute__((always_inline)) inline V tree(Block& block, int first) {
   if constexpr (N == 1) {
     return block(first);
+  } else if constexpr (N == 2 && PAIRS) {
+    const V b = block(first + 1);
+    const V a = block(first);
+    return fold<W>(a, b, std::make_integer_sequence<int, W>{});
   } else {
     // Two statements: as a call's arguments, GCC evaluates the second first (the blocks were
     // loaded in descending order).
-    const V a = tree<N / 2>(block, first);
-    const V b = tree<N / 2>(block, first + N / 2);
+    const V a = tree<N / 2, PAIRS>(block, first);
+    const V b = tree<N / 2, PAIRS>(block, first + N / 2);
     return fold<2 * W / N>(a, b, std::make_integer_sequence<int, W>{});
   }
 }
@@ -175,9 +186,9 @@ __attribute__((always_inline)) inline V in_block_order(V v, std::integer_sequenc
   }
 }
 // Lane j = the amax key of block(j), j < W.
-template <typename Block>
+template <bool PAIRS, typename Block>
 __attribute__((always_inline)) inline V block_amaxes(Block& block) {
-  return in_block_order(tree<W>(block, 0), std::make_integer_sequence<int, W>{});
+  return in_block_order(tree<W, PAIRS>(block, 0), std::make_integer_sequence<int, W>{});
 }
 
 // ---- scales -------------------------------------------------------------------------------------
@@ -426,6 +437,7 @@ struct RowScratch {
   alignas(64) uint16_t stage[kGroup * kBlock];  // fp32/fp16: the group's keys
   alignas(64) int16_t k[kGroup];
   alignas(64) uint8_t byte[kGroup];
+  uint8_t pending[kGroup];  // blocks left to the exact path
 };
 
 // `nblk` (<= kGroup) consecutive whole blocks at src (one row's, or a flat run of rows' whose
@@ -434,13 +446,38 @@ template <ElemFormat F, Src S, bool FULL>
 void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_t* scale, bool nt,
                RowScratch& s) {
   if constexpr (FULL) nblk = kGroup;
+  const uint16_t* xs;
+  if constexpr (kStaged<S>) {
+    xs = s.stage;
+  } else {
+    xs = src;
+  }
+  // The blocks that need the exact path are listed here and encoded after the loop: exact_run
+  // is out of line (it is large), and a call inside the loop clobbers every vector register, so
+  // GCC rebuilt the loop's constants on every block (the strips' pass 2 took 1.05-1.12x the
+  // former per-ISA code's time at 4096 x 4096 on AVX2; with the list, 0.91-0.98x).
+  int npending = 0;
+  auto encode = [&](int blk) __attribute__((always_inline)) {
+    if (__builtin_expect(!encode_run<F, true, false>(xs + kBlock * blk, splat(s.k[blk]), nullptr,
+                                                     data + kBlock * blk, nullptr, nt),
+                         0)) {
+      s.pending[npending++] = static_cast<uint8_t>(blk);
+    }
+  };
+  // AVX2 and AVX-512 encode a group's blocks after all its trees: independent work for the
+  // latency of each tree and its scales (with one tree per 512 elements, the former AVX2 code
+  // measured 1.6x the time). The base build (8 lanes, 8 blocks a tree) encodes each tree's
+  // blocks right after it, without software prefetch, as its former code did: at 4096 x 4096 its
+  // bf16 row path took 1.05-1.3x the former code's time with the AVX2 scheme, 1.02-1.07x this
+  // way.
+  constexpr bool kPerTree = W == 8;
 #pragma GCC unroll 1
   for (int t0 = 0; t0 < nblk; t0 += W) {
     auto leaf = [&](int i) __attribute__((always_inline)) {
       const int blk = t0 + i;
       if (!FULL && blk >= nblk) return splat(0);
       const In<S>* p = src + kBlock * blk;
-      if constexpr (FULL) {
+      if constexpr (FULL && !kPerTree) {
         for (int q = 0; q < kBlock; q += 64 / static_cast<int>(sizeof(In<S>))) {
           prefetch(p + q + kRowPrefetch);
         }
@@ -454,29 +491,25 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
       }
       return m;
     };
-    const V bytes = scale_bytes<F>(block_amaxes(leaf), mode);
+    const V bytes = scale_bytes<F>(block_amaxes</*PAIRS=*/true>(leaf), mode);
     store_scale_bytes(scale + t0, bytes, std::min(W, nblk - t0));
     store(s.byte + t0, narrow(bytes));
     store(s.k + t0, code_consts<F>(bytes));
-  }
-  const uint16_t* xs;
-  if constexpr (kStaged<S>) {
-    xs = s.stage;
-  } else {
-    xs = src;
-  }
-  auto encode = [&](int blk) __attribute__((always_inline)) {
-    uint8_t* out = data + kBlock * blk;
-    if (!encode_run<F, true, false>(xs + kBlock * blk, splat(s.k[blk]), nullptr, out, nullptr,
-                                    nt)) {
-      exact_run<F, S>(src + kBlock * blk, s.byte[blk], nullptr, out, nullptr);
+    if constexpr (kPerTree) {
+      for (int blk = t0; blk < std::min(t0 + W, nblk); ++blk) encode(blk);
     }
-  };
-  if constexpr (FULL) {
+  }
+  if constexpr (!kPerTree) {
+    if constexpr (FULL) {
 #pragma GCC unroll 4
-    for (int blk = 0; blk < kGroup; ++blk) encode(blk);
-  } else {
-    for (int blk = 0; blk < nblk; ++blk) encode(blk);
+      for (int blk = 0; blk < kGroup; ++blk) encode(blk);
+    } else {
+      for (int blk = 0; blk < nblk; ++blk) encode(blk);
+    }
+  }
+  for (int i = 0; i < npending; ++i) {
+    const int blk = s.pending[i];
+    exact_run<F, S>(src + kBlock * blk, s.byte[blk], nullptr, data + kBlock * blk, nullptr);
   }
 }
 
@@ -541,6 +574,8 @@ struct StripScratch {
   alignas(64) uint8_t row_byte[kBlock][kChunkBlocks];
   alignas(64) int16_t tile_k[kChunkBlocks];
   alignas(64) uint8_t tile_byte[kChunkBlocks];
+  // The runs left to the exact path: row * kChunkBlocks + block.
+  uint16_t pending[kBlock * kChunkBlocks];
 };
 
 // One chunk of one strip: rows [0, nrows) (row stride ld) of nbw whole blocks of columns, of
@@ -584,7 +619,7 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
         return m;
       };
       if constexpr (kRow) {
-        const V bytes = scale_bytes<F>(block_amaxes(leaf), mode);
+        const V bytes = scale_bytes<F>(block_amaxes</*PAIRS=*/false>(leaf), mode);
         store_scale_bytes(blk_scale + r * ld_scale + b0, bytes, std::min(W, nbw - b0));
         store(&s.row_byte[r][b0], narrow(bytes));
         store(&s.row_k[r][b0], code_consts<F>(bytes));
@@ -627,6 +662,8 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
     xs = src;
     ldx = ld;
   }
+  // The runs that need the exact path are listed and encoded after the loop (see row_group).
+  int npending = 0;
   for (int r = 0; r < nrows; ++r) {
     for (int b = 0; b < nbw; ++b) {
       if (next) {
@@ -641,13 +678,19 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
       if constexpr (BK == BlockKind::Tile) kb = splat(s.tile_k[b]);
       uint8_t* bo = BK != BlockKind::None ? blk_data + r * ld_out + kBlock * b : nullptr;
       uint8_t* co = COL ? col_data + r * ld_out + kBlock * b : nullptr;
-      if (encode_run<F, BK != BlockKind::None, COL>(xs + r * ldx + kBlock * b, kb,
-                                                    s.col_k + kBlock * b, bo, co, nt)) {
-        continue;
+      if (__builtin_expect(!encode_run<F, BK != BlockKind::None, COL>(
+                               xs + r * ldx + kBlock * b, kb, s.col_k + kBlock * b, bo, co, nt),
+                           0)) {
+        s.pending[npending++] = static_cast<uint16_t>(r * kChunkBlocks + b);
       }
-      const uint8_t byte = kRow ? s.row_byte[r][b] : BK == BlockKind::Tile ? s.tile_byte[b] : 0;
-      exact_run<F, S>(src + r * ld + kBlock * b, byte, s.col_byte + kBlock * b, bo, co);
     }
+  }
+  for (int i = 0; i < npending; ++i) {
+    const int r = s.pending[i] / kChunkBlocks, b = s.pending[i] % kChunkBlocks;
+    const uint8_t byte = kRow ? s.row_byte[r][b] : BK == BlockKind::Tile ? s.tile_byte[b] : 0;
+    const int64_t j = r * ld_out + kBlock * b;
+    exact_run<F, S>(src + r * ld + kBlock * b, byte, s.col_byte + kBlock * b,
+                    BK != BlockKind::None ? blk_data + j : nullptr, COL ? col_data + j : nullptr);
   }
 }
 

@@ -713,6 +713,43 @@ def test_bf16_every_element_pattern_under_every_block_scale(elem_dtype, scale_mo
     )
 
 
+# The kernels encode the fast path first and list the runs that need the exact path, which are
+# encoded after each group of 64 row blocks and after each strip chunk (32 rows x 2048 columns):
+# these matrices fill whole groups and chunks with such runs (every run of the first strip) next
+# to a strip of ordinary values, at a width of two chunks and of two chunks plus a partial block.
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("width", [4096, 4096 + 17], ids=["whole_chunks", "partial_block"])
+def test_runs_left_to_the_exact_path_fill_whole_groups_and_chunks(dtype, width):
+    gen = torch.Generator().manual_seed(stable_seed("exact-path-lists"))
+    rows = 64
+    x = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    # Rows 0-31 (a whole strip): tiny elements and a +-1 on the diagonal of every 32x32
+    # tile, so every run along a row and down a column holds one +-1 and 31 elements that become
+    # fp8 subnormals or zero: all of them go to the exact path.
+    tiny = torch.rand(32, width, generator=gen, dtype=torch.float64) * 2.0**-20
+    i, j = torch.meshgrid(torch.arange(32), torch.arange(width), indexing="ij")
+    tiny[i % BLOCK == j % BLOCK] = torch.where(
+        j[i % BLOCK == j % BLOCK] % 3 == 0, -1.0, 1.0
+    ).double()
+    x[:32] = tiny
+    x = x.to(dtype)
+    for elem_dtype, scale_mode in ((E4M3, "floor"), (E5M2, "rceil")):
+        _assert_both_axes_match_reference(x, elem_dtype, scale_mode)
+        assert_block_quantization_equal(
+            ops.mx_quantize_block(x, elem_dtype, scale_mode),
+            ref.mx_quantize_block(x, elem_dtype, scale_mode),
+            x.shape,
+            "mx_quantize_block",
+        )
+    if dtype == torch.float32:  # an FP32 master: its keys are staged like fp32's
+        got = ops.mx_quantize_dual_from_master(x, torch.bfloat16, E4M3, "floor")
+        exp = ref.mx_quantize_dual_from_master(x, torch.bfloat16, E4M3, "floor")
+        assert_same_quantization(got[:2], exp[:2], -1, "mx_quantize_dual_from_master fwd")
+        assert_same_quantization(got[2:], exp[2:], -2, "mx_quantize_dual_from_master bwd")
+
+
 # fp32 and fp16 go through the same 16-bit encode after staging as "jammed bf16" (the OR of the
 # 16 dropped mantissa bits kept in the lowest bf16 bit). These inputs make that jam decide:
 # every bf16 pattern with low halves 0, 1, 0x8000 and 0xFFFF (ties broken by a low bit), block
