@@ -468,7 +468,7 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
   // latency of each tree and its scales (with one tree per 512 elements, the former AVX2 code
   // measured 1.6x the time). The base build (8 lanes, 8 blocks a tree) encodes each tree's
   // blocks right after it, without software prefetch, as its former code did: at 4096 x 4096 its
-  // bf16 row path took 1.05-1.3x the former code's time with the AVX2 scheme, 1.02-1.07x this
+  // bf16 row path took 1.05-1.3x the former code's time with the AVX2 scheme, 1.04-1.07x this
   // way.
   constexpr bool kPerTree = W == 8;
 #pragma GCC unroll 1
