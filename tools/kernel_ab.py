@@ -35,7 +35,6 @@ ISA_FLAGS = {  # as CMakeLists.txt's ZRW_ISA_FLAGS_*
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
 }
-ISA_INDEX = {"avx2": 0, "avx512": 1, "base": 2}
 
 # The per-ISA entry points of the unified kernel (csrc/mx/mx_cpu_isa.h): Src 0 = bf16, 3 = an
 # fp32 master rounded to bf16. An AVX-512 build compiles bf16 sources only (fp32 goes to AVX2).
@@ -48,7 +47,7 @@ void parallel_for(int64_t b, int64_t e, int64_t g, const std::function<void(int6
 }
 }  // namespace zrw::cpu
 extern "C" __attribute__((visibility("default"))) void ab_quant(const void* src, int kind,
-    int64_t n, int64_t k, int isa, uint8_t** o) {
+    int64_t n, int64_t k, uint8_t** o) {
   zrw::cpu::QuantOutputs out{o[0], o[1], o[2], o[3], o[4], o[5]};
   const auto s = static_cast<zrw::cpu::Src>(kind);
   const auto f = zrw::mx::ElemFormat::E4M3;
@@ -61,14 +60,13 @@ extern "C" __attribute__((visibility("default"))) void ab_quant(const void* src,
 #else
   zrw::cpu::avx2::quantize_matrices(src, s, 1, n, k, f, m, out);
 #endif
-  (void)isa;
 }
 """
 # The former per-ISA code (before e203f3a): entry points on at::ScalarType.
 WRAP_FORMER = r"""
 #include "mx/mx_cpu_kernels.h"
 extern "C" __attribute__((visibility("default"))) void ab_quant(const void* src, int kind,
-    int64_t n, int64_t k, int isa, uint8_t** o) {
+    int64_t n, int64_t k, uint8_t** o) {
   zrw::cpu::QuantOutputs out{};
   out.row_data = o[0]; out.row_scale = o[1]; out.col_data = o[2]; out.col_scale = o[3];
   out.tile_data = o[4]; out.tile_scale = o[5];
@@ -83,7 +81,6 @@ extern "C" __attribute__((visibility("default"))) void ab_quant(const void* src,
 #else
   zrw::cpu::avx2::quantize_matrices(src, st, rt, 1, n, k, f, m, out);
 #endif
-  (void)isa;
 }
 """
 
@@ -201,12 +198,11 @@ def measure(libs, args):
         "dual_m": (master, 3, outs(True, True)),
         "block_m": (master, 3, outs(tile=True)),
     }
-    isa = ISA_INDEX[args.isa]
 
     def call(lib, k):
         src, kind, o = kernels[k]
         libs[lib].ab_quant(
-            ctypes.c_void_p(src.data_ptr()), kind, ctypes.c_int64(n), ctypes.c_int64(n), isa, o
+            ctypes.c_void_p(src.data_ptr()), kind, ctypes.c_int64(n), ctypes.c_int64(n), o
         )
 
     for k in kernels:  # both write the same bytes
