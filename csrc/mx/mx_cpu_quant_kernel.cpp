@@ -344,65 +344,126 @@ __attribute__((noinline)) void exact_run(const In<S>* x, uint8_t blk_byte, const
 }
 
 // ---- the fast path ------------------------------------------------------------------------------
-// One 32-element run of keys x: codes for the block constant kb (BLK) and the column constants
-// kc[0 .. 32) (COL), stored to bo / co. False, with nothing stored, if the run needs the exact
-// path.
+// |x| + the lsb that rounding to M bits keeps: the part of every code shared by the planes.
+template <ElemFormat F>
+__attribute__((always_inline)) inline V rounding_base(V x) {
+  const V a = x & splat(0x7FFF);
+  return a + (srl<Enc<F>::kShift>(a) & splat(1));
+}
+#if defined(__AVX512BW__)
+// AVX-512, two consecutive runs (one register each; see encode_run): as in AVX2's form, the codes
+// are clamped and tested as bytes, the two runs' in one register (packus), so each plane gets one
+// 64-byte line; one permutation puts the bytes in order. (At 4096 x 4096 on a Xeon, one process:
+// blocks along rows took 0.93-0.94x the time of a run at a time, narrowed with vpmovwb.)
 template <ElemFormat F, bool BLK, bool COL>
-__attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, const int16_t* kc,
-                                                      uint8_t* bo, uint8_t* co, bool nt) {
+__attribute__((always_inline)) inline bool encode_two_runs(const uint16_t* x, const V* kb,
+                                                           const int16_t* kc, uint8_t* bo,
+                                                           uint8_t* co, bool nt) {
   using C = Enc<F>;
+  const __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + kBlock);
+  const V t0 = rounding_base<F>(reinterpret_cast<V>(x0)),
+          t1 = rounding_base<F>(reinterpret_cast<V>(x1));
+  auto codes = [&](V k0, V k1) __attribute__((always_inline)) {
+    return _mm512_packus_epi16(reinterpret_cast<__m512i>((t0 + k0) >> C::kShift),
+                               reinterpret_cast<__m512i>((t1 + k1) >> C::kShift));
+  };
+  const __m512i max_code = _mm512_set1_epi8(static_cast<char>(C::kMaxCode));
+  __m512i bc = max_code, cc = max_code;
+  if constexpr (BLK) bc = codes(kb[0], kb[1]);
+  if constexpr (COL) cc = codes(load<V>(kc), load<V>(kc + kBlock));
+  const __m512i below = _mm512_set1_epi8(static_cast<char>(C::kMinNormalCode - 1));
+  if (__builtin_expect(_mm512_cmple_epu8_mask(_mm512_min_epu8(bc, cc), below) != 0, 0)) {
+    return false;
+  }
+  const __m512i sign = _mm512_packs_epi16(_mm512_srai_epi16(x0, 8), _mm512_srai_epi16(x1, 8));
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  auto out = [&](uint8_t* p, __m512i c) __attribute__((always_inline)) {
+    // min(c, max code) | (sign & 0x80), in element order
+    const __m512i v = _mm512_permutexvar_epi64(
+        order, _mm512_ternarylogic_epi32(_mm512_min_epu8(c, max_code), sign,
+                                         _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8));
+    if (nt) return _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    _mm512_storeu_si512(p, v);
+  };
+  if constexpr (BLK) out(bo, bc);
+  if constexpr (COL) out(co, cc);
+  return true;
+}
+#endif
+
+// NR (1 or 2) consecutive 32-element runs of one row of keys x: codes for the block constants
+// kb[0 .. NR) (BLK) and the column constants kc[0 .. 32 * NR) (COL), stored to bo / co. One test
+// for all of them: false, with nothing stored, if any run needs the exact path (the caller then
+// takes the runs one at a time).
+template <ElemFormat F, bool BLK, bool COL, int NR = 1>
+__attribute__((always_inline)) inline bool encode_run(const uint16_t* x, const V* kb,
+                                                      const int16_t* kc, uint8_t* bo, uint8_t* co,
+                                                      bool nt) {
+  using C = Enc<F>;
+#if defined(__AVX512BW__)
+  if constexpr (NR == 2) return encode_two_runs<F, BLK, COL>(x, kb, kc, bo, co, nt);
+#endif
 #if defined(__AVX2__) && !defined(__AVX512BW__)
   // AVX2 (two registers per run): the same codes, clamped and tested as bytes. packus saturates
   // a negative code to 0 (below 2^M: the exact path, as in 16 bits) and one above 255 to 255
   // (then the largest code, as in 16 bits); one byte register holds the run, so the clamp, the
   // test and the sign take one instruction each instead of one per register. The bytes are in
   // packus' order (128-bit halves interleaved) until store_packed_run puts them in order.
-  __m256i t[2], xv[2];
-  for (int h = 0; h < 2; ++h) {
-    xv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + W * h));
-    const V a = reinterpret_cast<V>(xv[h]) & splat(0x7FFF);
-    t[h] = reinterpret_cast<__m256i>(a + (srl<C::kShift>(a) & splat(1)));
-  }
+  __m256i xv[NR][2], bc[NR], cc[NR];
   const __m256i max_code = _mm256_set1_epi8(static_cast<char>(C::kMaxCode));
   const __m256i below = _mm256_set1_epi8(static_cast<char>(C::kMinNormalCode - 1));
-  auto codes = [&](__m256i k0, __m256i k1) __attribute__((always_inline)) {
-    return _mm256_packus_epi16(_mm256_srai_epi16(_mm256_add_epi16(t[0], k0), C::kShift),
-                               _mm256_srai_epi16(_mm256_add_epi16(t[1], k1), C::kShift));
-  };
-  __m256i bc = max_code, cc = max_code;
-  if constexpr (BLK) bc = codes(reinterpret_cast<__m256i>(kb), reinterpret_cast<__m256i>(kb));
-  if constexpr (COL) {
-    cc = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc)),
-               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kc + W)));
-  }
-  __m256i low;
-  if constexpr (BLK && COL) {
-    low = _mm256_min_epu8(bc, cc);
-  } else if constexpr (BLK) {
-    low = bc;
-  } else {
-    low = cc;
+  __m256i low = max_code;
+#pragma GCC unroll 2
+  for (int n = 0; n < NR; ++n) {
+    __m256i t[2];
+    for (int h = 0; h < 2; ++h) {
+      xv[n][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock * n + W * h));
+      t[h] = reinterpret_cast<__m256i>(rounding_base<F>(reinterpret_cast<V>(xv[n][h])));
+    }
+    auto codes = [&](__m256i k0, __m256i k1) __attribute__((always_inline)) {
+      return _mm256_packus_epi16(_mm256_srai_epi16(_mm256_add_epi16(t[0], k0), C::kShift),
+                                 _mm256_srai_epi16(_mm256_add_epi16(t[1], k1), C::kShift));
+    };
+    if constexpr (BLK) {
+      const __m256i k = reinterpret_cast<__m256i>(kb[n]);
+      bc[n] = codes(k, k);
+      low = _mm256_min_epu8(low, bc[n]);
+    }
+    if constexpr (COL) {
+      const int16_t* k = kc + kBlock * n;
+      cc[n] = codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + W)));
+      low = _mm256_min_epu8(low, cc[n]);
+    }
   }
   if (__builtin_expect(
           _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(low, below), low)) != 0, 0)) {
     return false;
   }
-  const __m256i sign =
-      _mm256_and_si256(_mm256_packs_epi16(xv[0], xv[1]), _mm256_set1_epi8(static_cast<char>(0x80)));
-  if constexpr (BLK) store_packed_run(bo, _mm256_or_si256(_mm256_min_epu8(bc, max_code), sign), nt);
-  if constexpr (COL) store_packed_run(co, _mm256_or_si256(_mm256_min_epu8(cc, max_code), sign), nt);
+#pragma GCC unroll 2
+  for (int n = 0; n < NR; ++n) {
+    const __m256i sign = _mm256_and_si256(_mm256_packs_epi16(xv[n][0], xv[n][1]),
+                                          _mm256_set1_epi8(static_cast<char>(0x80)));
+    if constexpr (BLK) {
+      store_packed_run(bo + kBlock * n, _mm256_or_si256(_mm256_min_epu8(bc[n], max_code), sign),
+                       nt);
+    }
+    if constexpr (COL) {
+      store_packed_run(co + kBlock * n, _mm256_or_si256(_mm256_min_epu8(cc[n], max_code), sign),
+                       nt);
+    }
+  }
   return true;
 #else
-  V bc[R], cc[R], sign[R];
+  V bc[NR * R], cc[NR * R], sign[NR * R];
   V low = splat(0x7FFF);
-#pragma GCC unroll 4
-  for (int h = 0; h < R; ++h) {
+#pragma GCC unroll 8
+  for (int h = 0; h < NR * R; ++h) {
     const V xv = load<V>(x + W * h);
-    const V a = xv & splat(0x7FFF);
-    const VU t = reinterpret_cast<VU>(a + (srl<C::kShift>(a) & splat(1)));
+    const VU t = reinterpret_cast<VU>(rounding_base<F>(xv));
     sign[h] = srl<8>(xv) & splat(0x80);
     if constexpr (BLK) {
-      bc[h] = reinterpret_cast<V>(t + reinterpret_cast<VU>(kb)) >> C::kShift;
+      bc[h] = reinterpret_cast<V>(t + reinterpret_cast<VU>(kb[h / R])) >> C::kShift;
       low = vmin(low, bc[h]);
     }
     if constexpr (COL) {
@@ -412,13 +473,15 @@ __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, V kb, c
   }
   if (__builtin_expect(any(low < splat(C::kMinNormalCode)), 0)) return false;
   const V max_code = splat(C::kMaxCode);
-#pragma GCC unroll 4
-  for (int h = 0; h < R; ++h) {
+#pragma GCC unroll 8
+  for (int h = 0; h < NR * R; ++h) {
     if constexpr (BLK) bc[h] = vmin(bc[h], max_code) | sign[h];
     if constexpr (COL) cc[h] = vmin(cc[h], max_code) | sign[h];
   }
-  if constexpr (BLK) store_32_bytes(bo, bc, nt);
-  if constexpr (COL) store_32_bytes(co, cc, nt);
+  for (int n = 0; n < NR; ++n) {
+    if constexpr (BLK) store_32_bytes(bo + kBlock * n, bc + R * n, nt);
+    if constexpr (COL) store_32_bytes(co + kBlock * n, cc + R * n, nt);
+  }
   return true;
 #endif
 }
@@ -430,7 +493,7 @@ inline void pad_block(const T* src, int n, T* dst) {
 }
 
 // ---- blocks along rows only ---------------------------------------------------------------------
-constexpr int kGroup = 64;  // blocks per group
+constexpr int kGroup = W == 32 ? 32 : 64;  // blocks per group
 // Bytes ahead of the current block that the row stream prefetches: one bf16 group. (In elements,
 // 2048, an FP32 master's stream ran 8 KiB ahead, and its row path was 1.07-1.2x slower at
 // 4096 x 4096 on AVX2 than at 4 KiB, in one process against the same buffers.)
@@ -461,7 +524,8 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
   // former per-ISA code's time at 4096 x 4096 on AVX2; with the list, 0.91-0.98x).
   int npending = 0;
   auto encode = [&](int blk) __attribute__((always_inline)) {
-    if (__builtin_expect(!encode_run<F, true, false>(xs + kBlock * blk, splat(s.k[blk]), nullptr,
+    const V kb = splat(s.k[blk]);
+    if (__builtin_expect(!encode_run<F, true, false>(xs + kBlock * blk, &kb, nullptr,
                                                      data + kBlock * blk, nullptr, nt),
                          0)) {
       s.pending[npending++] = static_cast<uint8_t>(blk);
@@ -508,11 +572,23 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
     }
   }
   if constexpr (!kPerTree) {
+    // Two runs a time: one 64-byte line (see encode_two_runs).
+    auto encode_pair = [&](int blk) __attribute__((always_inline)) {
+      const V kb[2] = {splat(s.k[blk]), splat(s.k[blk + 1])};
+      if (__builtin_expect(!encode_run<F, true, false, 2>(xs + kBlock * blk, kb, nullptr,
+                                                          data + kBlock * blk, nullptr, nt),
+                           0)) {
+        encode(blk);
+        encode(blk + 1);
+      }
+    };
     if constexpr (FULL) {
-#pragma GCC unroll 4
-      for (int blk = 0; blk < kGroup; ++blk) encode(blk);
+#pragma GCC unroll 2
+      for (int blk = 0; blk < kGroup; blk += 2) encode_pair(blk);
     } else {
-      for (int blk = 0; blk < nblk; ++blk) encode(blk);
+      int blk = 0;
+      for (; blk + 2 <= nblk; blk += 2) encode_pair(blk);
+      if (blk < nblk) encode(blk);
     }
   }
   for (int i = 0; i < npending; ++i) {
@@ -672,26 +748,46 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
   }
   // The runs that need the exact path are listed and encoded after the loop (see row_group).
   int npending = 0;
-  for (int r = 0; r < nrows; ++r) {
-    for (int b = 0; b < nbw; ++b) {
-      if (next) {
-        // The next chunk streams into L2 while this one is encoded (without it, dual-axis on a
-        // Zen 3 EPYC: 1.5x a copy instead of 1.1-1.2x).
-        for (int q = 0; q < kBlock; q += 64 / static_cast<int>(sizeof(In<S>))) {
-          prefetch_l2(next + r * ld + kBlock * b + q);
-        }
-      }
-      V kb = splat(0);
-      if constexpr (kRow) kb = splat(s.row_k[r][b]);
-      if constexpr (BK == BlockKind::Tile) kb = splat(s.tile_k[b]);
-      uint8_t* bo = BK != BlockKind::None ? blk_data + r * ld_out + kBlock * b : nullptr;
-      uint8_t* co = COL ? col_data + r * ld_out + kBlock * b : nullptr;
-      if (__builtin_expect(!encode_run<F, BK != BlockKind::None, COL>(
-                               xs + r * ldx + kBlock * b, kb, s.col_k + kBlock * b, bo, co, nt),
-                           0)) {
-        s.pending[npending++] = static_cast<uint16_t>(r * kChunkBlocks + b);
+  // NR runs of row r from column block b: one test for all. Two on AVX2 and AVX-512 (at 4096 x
+  // 4096 on a Xeon with AVX-512, one process: AVX2's dim 0 0.95-0.97x the time of one run per
+  // test, the other strips 0.97-1.0x); one on the base build (its 16 registers hold one run's
+  // work: two took 1.1-1.2x the time).
+  auto runs = [&](int r, int b, auto nr) __attribute__((always_inline)) {
+    constexpr int NR = decltype(nr)::value;
+    if (next) {
+      // The next chunk streams into L2 while this one is encoded (without it, dual-axis on a
+      // Zen 3 EPYC: 1.5x a copy instead of 1.1-1.2x).
+      for (int q = 0; q < kBlock * NR; q += 64 / static_cast<int>(sizeof(In<S>))) {
+        prefetch_l2(next + r * ld + kBlock * b + q);
       }
     }
+    V kb[NR];
+    for (int n = 0; n < NR; ++n) {
+      kb[n] = splat(0);
+      if constexpr (kRow) kb[n] = splat(s.row_k[r][b + n]);
+      if constexpr (BK == BlockKind::Tile) kb[n] = splat(s.tile_k[b + n]);
+    }
+    uint8_t* bo = BK != BlockKind::None ? blk_data + r * ld_out + kBlock * b : nullptr;
+    uint8_t* co = COL ? col_data + r * ld_out + kBlock * b : nullptr;
+    const uint16_t* x = xs + r * ldx + kBlock * b;
+    constexpr bool kBlk = BK != BlockKind::None;
+    if (__builtin_expect(!encode_run<F, kBlk, COL, NR>(x, kb, s.col_k + kBlock * b, bo, co, nt),
+                         0)) {
+      for (int n = 0; n < NR; ++n) {
+        if (NR == 1 || !encode_run<F, kBlk, COL>(x + kBlock * n, kb + n, s.col_k + kBlock * (b + n),
+                                                 kBlk ? bo + kBlock * n : nullptr,
+                                                 COL ? co + kBlock * n : nullptr, nt)) {
+          s.pending[npending++] = static_cast<uint16_t>(r * kChunkBlocks + b + n);
+        }
+      }
+    }
+  };
+  for (int r = 0; r < nrows; ++r) {
+    int b = 0;
+    if constexpr (W != 8) {
+      for (; b + 2 <= nbw; b += 2) runs(r, b, std::integral_constant<int, 2>{});
+    }
+    for (; b < nbw; ++b) runs(r, b, std::integral_constant<int, 1>{});
   }
   for (int i = 0; i < npending; ++i) {
     const int r = s.pending[i] / kChunkBlocks, b = s.pending[i] % kChunkBlocks;
