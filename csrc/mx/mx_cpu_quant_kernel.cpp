@@ -487,6 +487,22 @@ __attribute__((always_inline)) inline bool encode_run(const uint16_t* x, const V
 #endif
 }
 
+// encode_run over NR runs; where its one test fails, each run on its own, and pend(n) for each
+// run n that needs the exact path (the callers list it and encode it after their loop).
+template <ElemFormat F, bool BLK, bool COL, int NR, typename Pend>
+__attribute__((always_inline)) inline void encode_runs(const uint16_t* x, const V* kb,
+                                                       const int16_t* kc, uint8_t* bo, uint8_t* co,
+                                                       bool nt, Pend&& pend) {
+  if (__builtin_expect(encode_run<F, BLK, COL, NR>(x, kb, kc, bo, co, nt), 1)) return;
+  for (int n = 0; n < NR; ++n) {
+    if (NR == 1 ||
+        !encode_run<F, BLK, COL>(x + kBlock * n, kb + n, COL ? kc + kBlock * n : kc,
+                                 BLK ? bo + kBlock * n : bo, COL ? co + kBlock * n : co, nt)) {
+      pend(n);
+    }
+  }
+}
+
 // A last partial block of n elements, padded to 32 with copies of its first element.
 template <typename T>
 inline void pad_block(const T* src, int n, T* dst) {
@@ -526,14 +542,18 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
   // GCC rebuilt the loop's constants on every block (the strips' pass 2 took 1.05-1.12x the
   // former per-ISA code's time at 4096 x 4096 on AVX2; with the list, 0.91-0.98x).
   int npending = 0;
-  auto encode = [&](int blk) __attribute__((always_inline)) {
-    const V kb = splat(s.k[blk]);
-    if (__builtin_expect(!encode_run<F, true, false>(xs + kBlock * blk, &kb, nullptr,
-                                                     data + kBlock * blk, nullptr, nt),
-                         0)) {
-      s.pending[npending++] = static_cast<uint8_t>(blk);
-    }
+  // NR blocks from blk, one test (two runs a test on AVX2 and AVX-512: see encode_two_runs).
+  auto encode = [&](int blk, auto nr) __attribute__((always_inline)) {
+    constexpr int NR = decltype(nr)::value;
+    V kb[NR];
+    for (int n = 0; n < NR; ++n) kb[n] = splat(s.k[blk + n]);
+    encode_runs<F, true, false, NR>(xs + kBlock * blk, kb, nullptr, data + kBlock * blk, nullptr,
+                                    nt, [&](int n) __attribute__((always_inline)) {
+                                      s.pending[npending++] = static_cast<uint8_t>(blk + n);
+                                    });
   };
+  constexpr std::integral_constant<int, 1> kOne;
+  constexpr std::integral_constant<int, 2> kTwo;
   // AVX2 and AVX-512 encode a group's blocks after all its trees: independent work for the
   // latency of each tree and its scales (with one tree per 512 elements, the former AVX2 code
   // measured 1.6x the time). The base build (8 lanes, 8 blocks a tree) encodes each tree's
@@ -571,27 +591,17 @@ void row_group(const In<S>* src, int nblk, ScaleMode mode, uint8_t* data, uint8_
     store(s.byte + t0, narrow(bytes));
     store(s.k + t0, code_consts<F>(bytes));
     if constexpr (kPerTree) {
-      for (int blk = t0; blk < std::min(t0 + W, nblk); ++blk) encode(blk);
+      for (int blk = t0; blk < std::min(t0 + W, nblk); ++blk) encode(blk, kOne);
     }
   }
   if constexpr (!kPerTree) {
-    // Two runs a time: one 64-byte line (see encode_two_runs).
-    auto encode_pair = [&](int blk) __attribute__((always_inline)) {
-      const V kb[2] = {splat(s.k[blk]), splat(s.k[blk + 1])};
-      if (__builtin_expect(!encode_run<F, true, false, 2>(xs + kBlock * blk, kb, nullptr,
-                                                          data + kBlock * blk, nullptr, nt),
-                           0)) {
-        encode(blk);
-        encode(blk + 1);
-      }
-    };
     if constexpr (FULL) {
 #pragma GCC unroll 2
-      for (int blk = 0; blk < kGroup; blk += 2) encode_pair(blk);
+      for (int blk = 0; blk < kGroup; blk += 2) encode(blk, kTwo);
     } else {
       int blk = 0;
-      for (; blk + 2 <= nblk; blk += 2) encode_pair(blk);
-      if (blk < nblk) encode(blk);
+      for (; blk + 2 <= nblk; blk += 2) encode(blk, kTwo);
+      if (blk < nblk) encode(blk, kOne);
     }
   }
   for (int i = 0; i < npending; ++i) {
@@ -770,20 +780,14 @@ void strip_chunk(const In<S>* src, int64_t ld, int nrows, int nbw, int wvalid, S
       if constexpr (kRow) kb[n] = splat(s.row_k[r][b + n]);
       if constexpr (BK == BlockKind::Tile) kb[n] = splat(s.tile_k[b + n]);
     }
-    uint8_t* bo = BK != BlockKind::None ? blk_data + r * ld_out + kBlock * b : nullptr;
-    uint8_t* co = COL ? col_data + r * ld_out + kBlock * b : nullptr;
-    const uint16_t* x = xs + r * ldx + kBlock * b;
     constexpr bool kBlk = BK != BlockKind::None;
-    if (__builtin_expect(!encode_run<F, kBlk, COL, NR>(x, kb, s.col_k + kBlock * b, bo, co, nt),
-                         0)) {
-      for (int n = 0; n < NR; ++n) {
-        if (NR == 1 || !encode_run<F, kBlk, COL>(x + kBlock * n, kb + n, s.col_k + kBlock * (b + n),
-                                                 kBlk ? bo + kBlock * n : nullptr,
-                                                 COL ? co + kBlock * n : nullptr, nt)) {
-          s.pending[npending++] = static_cast<uint16_t>(r * kChunkBlocks + b + n);
-        }
-      }
-    }
+    uint8_t* bo = kBlk ? blk_data + r * ld_out + kBlock * b : nullptr;
+    uint8_t* co = COL ? col_data + r * ld_out + kBlock * b : nullptr;
+    encode_runs<F, kBlk, COL, NR>(xs + r * ldx + kBlock * b, kb, s.col_k + kBlock * b, bo, co, nt,
+                                  [&](int n) __attribute__((always_inline)) {
+                                    s.pending[npending++] =
+                                        static_cast<uint16_t>(r * kChunkBlocks + b + n);
+                                  });
   };
   for (int r = 0; r < nrows; ++r) {
     int b = 0;
