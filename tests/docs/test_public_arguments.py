@@ -1,8 +1,8 @@
-"""Argument checks of zrw's public functions (docs/design.md §8, issue 19 "Misleading or missing
-errors"): None or a wrong type raises TypeError, a bad value ValueError; the message names the
-function and the argument, what was expected and what was found; and it is raised before
-anything changes (the model is not converted, no weight is cached or restored, no file is
-written, no hook is installed, no master is registered).
+"""Argument checks of zrw's public functions (docs/design.md §8): None or a wrong type raises
+TypeError, a bad value ValueError; the message names the function and the argument, what was
+expected and what was found; and it is raised before anything changes (the model is not
+converted, no weight is cached or restored, no file is written, no hook is installed, no master
+is registered).
 
 Also: `zrw.convert(model, skip="name")` takes a str as one name (it used to skip by character),
 and concurrent `zrw.checkpoint.save_safetensors` calls to one path each write their own

@@ -39,7 +39,7 @@ import zrw
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERTED = ("up.weight", "down.weight", "head.weight")
 
 

@@ -185,7 +185,7 @@ def test_quantize_config_applied_by_the_model_converter():
 def test_functional_acceptance_example(recipe):
     """examples/rfc_functional.py, the RFC's functional acceptance: loads the config, trains a
     Qwen3 with the RFC's names, release on and off give the same losses."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "rfc_functional.py"), recipe],
         capture_output=True,

@@ -1,7 +1,7 @@
-"""Issue 28: a model-based test of the cache lifecycle (docs/design.md §5), as a hypothesis
+"""A model-based test of the cache lifecycle (docs/design.md §5), as a hypothesis
 RuleBasedStateMachine.
 
-Two copies of the tiny model of tests/test_user_actions.py (embedding and norm outside zrw's
+Two copies of the tiny model of tests/cache/test_user_actions.py (embedding and norm outside zrw's
 layers; up, down and head converted) are built from the same seed,
 one converted with release=True and one with release=False, each with its own
 zrw.optim.MasterWeights(torch.optim.AdamW) attached. Hypothesis draws the configuration
@@ -293,7 +293,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
     def inside_action(self, name):
         self.both(f"inside a step: {name}", lambda w: INSIDE[name](w.model, w.opt, w.ctx))
 
-    # -- issue 28's classes -------------------------------------------------------------------
+    # -- hostile user actions ------------------------------------------------------------------
 
     @rule(which=st.sampled_from(CONVERTED), trainable=st.booleans())
     def freeze(self, which, trainable):
