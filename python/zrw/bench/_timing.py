@@ -2,9 +2,83 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 import time
 from collections import Counter
 from typing import Callable, Sequence
+
+import torch
+
+import zrw
+
+
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it ("model name"), else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+# The CPU features that set a machine's class in docs/benchmarks.md (AVX2; AVX-512 with
+# avx512_bf16; AMX): which kernels run, and which GEMM torch has for bf16.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    """Those of CPU_FLAGS that /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in CPU_FLAGS if x in have]
+    except OSError:
+        pass
+    return []
+
+
+def _git(*args: str) -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(zrw.__file__))))
+    try:
+        out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.rstrip() if out.returncode == 0 else None
+
+
+def stamp() -> dict:
+    """What a benchmark's figures were measured on, put in every --json object: the CPU model
+    and its class-setting features, the kernel ISA and GEMM path zrw picked, torch's and zrw's
+    versions, and the commit of the source tree (None outside a git checkout; `dirty` lists the
+    files under csrc/ and python/ that differ from it). `python -m zrw.bench report` prints it
+    over each table it makes."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "csrc", "python")
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_isa": zrw._C.cpu_isa(),
+        "gemm_path": zrw._C.cpu_gemm(),
+        "native_bf16": bool(zrw._C.cpu_native_bf16()),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "zrw": zrw.__version__,
+        "commit": commit,
+        # the files under csrc/ and python/ that differ from the commit (empty: a clean tree)
+        "dirty": sorted(line[3:] for line in changed.splitlines()) if changed else [],
+        # the command's arguments (`python -m zrw.bench` + these) and the 1-minute load average
+        # when the figures were taken: a shared machine's load moves every time
+        "argv": sys.argv[1:],
+        "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def best_of(fn: Callable[[], object], repeat: int = 7, warmup: int = 2) -> float:

@@ -31,7 +31,7 @@ import torch
 
 import zrw
 from zrw import cache, ops
-from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording
+from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording, stamp
 from zrw.config import get_recipe
 from zrw.nn import mx_linear
 from zrw.optim import MasterWeights, attach
@@ -254,7 +254,7 @@ def run(
             b: time_step(recipe, dim, layers, tokens, micro, steps, b) for b in BOUNDARIES
         }
     out["write_check"] = run_write_check(check_params, check_dim)
-    return out
+    return {"bench": "cache", "stamp": stamp(), **out}
 
 
 def main(argv=None) -> None:

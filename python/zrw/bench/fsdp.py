@@ -35,7 +35,7 @@ import torch
 import zrw
 import zrw.fsdp
 import zrw.testing
-from zrw.bench._timing import print_table
+from zrw.bench._timing import print_table, stamp
 
 RECIPES = ("bf16", "mxfp8-both-planes", "mxfp8", "mxfp8-32x32")
 ORIGINAL = "mxfp8-both-planes"  # the RFC's "original MXFP8 scheme"
@@ -183,6 +183,8 @@ def run(
             res = json.load(f)
     base, orig = res["bf16"], res[ORIGINAL]
     return {
+        "bench": "fsdp",
+        "stamp": stamp(),
         "world": world,
         "backend": "gloo",
         "shape": [dim, dim],

@@ -41,7 +41,15 @@ import torch
 
 import zrw
 from zrw import ops, testing
-from zrw.bench._timing import best_of, best_of_interleaved, fresh_pages, print_table, warm_heap
+from zrw.bench._timing import (
+    best_of,
+    best_of_interleaved,
+    cpu_model,
+    fresh_pages,
+    print_table,
+    stamp,
+    warm_heap,
+)
 
 
 def _torchao_to_mx():
@@ -53,20 +61,6 @@ def _torchao_to_mx():
     except Exception:  # torchao is optional: the benchmark says so instead of failing
         return None
     return lambda x: to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
-
-
-def cpu_model() -> str:
-    """The CPU's name as /proc/cpuinfo gives it ("model name"), else the platform's."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown"
 
 
 # Bytes each kernel reads and writes per element of the weight (data, plus one scale byte per
@@ -210,6 +204,8 @@ def run(
         return None if x is None or y is None else x / y
 
     return {
+        "bench": "quant",
+        "stamp": stamp(),
         "shape": [n, k],
         "threads": threads,
         "cpu_model": cpu_model(),

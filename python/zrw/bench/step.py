@@ -41,7 +41,7 @@ import torch
 
 import zrw
 from zrw import cache, memory, ops
-from zrw.bench._timing import print_table
+from zrw.bench._timing import print_table, stamp
 from zrw.config import get_recipe
 from zrw.nn import mx_linear
 from zrw.optim import MasterWeights, adamw_class, attach
@@ -232,7 +232,7 @@ def run(recipe="mxfp8", dim=1024, layers=8, tokens=32, micro=2, steps=2, ledger_
             r["peak_saving_vs_cache_per_n"] = (runs["cache"]["peak_bytes"] - r["peak_bytes"]) / n
         out["foreach"][str(foreach)] = runs
     out["ledger"] = ledger(dim, layers, tokens, micro, steps, ledger_rows)
-    return out
+    return {"bench": "step", "stamp": stamp(), **out}
 
 
 def main(argv=None) -> None:
