@@ -15,7 +15,7 @@ Developer tool, not part of the package: it needs g++, git and the installed tor
 (for at::parallel_for; the libraries are built with -fopenmp like torch's thread pool). The
 kernels: one axis (row, col), dual-axis, 32x32 (block), and the same from an FP32 master
 (row_m, dual_m, block_m); --isa avx512 runs fp32 sources through the AVX2 kernels, as the
-dispatcher does. See docs/benchmarks.md (issue 30, fourth session) for what it measured.
+dispatcher does. What it measured: docs/benchmarks.md, "The unified kernel against the former code".
 """
 
 import argparse

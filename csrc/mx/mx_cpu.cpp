@@ -496,7 +496,7 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   // A tile row is never split along K: a tile holds at least min(rows, 64) whole rows. Past
   // kMaxK (2^23) one such fp32 tile would exceed 2 GiB, so the call is refused here, before
-  // the result is allocated or any scale is read (issue 28: K = 2^33 scanned every block for
+  // the result is allocated or any scale is read (unrefused, K = 2^33 scanned every block for
   // minutes, then ran out of memory).
   constexpr int64_t kMaxK = int64_t{1} << 23;
   TORCH_CHECK_VALUE(K <= kMaxK, op,
@@ -509,7 +509,7 @@ at::Tensor mx_matmul_cpu(const at::Tensor& a, const at::Tensor& a_scale, const a
   // Below the autograd and view-tracking keys (this kernel is registered for CPU, so its caller
   // is already there): the tiles, views and GEMMs below dispatch straight to their CPU kernels,
   // without autograd view metadata, which at the shapes of a small layer costs more than the
-  // arithmetic (issue 28's host-time measurement, bench linear's `host` row).
+  // arithmetic (the host time per layer: bench linear's `host` row).
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto c = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0 || K == 0) return c.zero_();

@@ -147,7 +147,7 @@ void quantize_matrices(const void* src, at::ScalarType src_dtype, at::ScalarType
   // fp32 and fp16 sources take the AVX2 kernels on an AVX-512 CPU (as the former per-ISA code
   // did): in cache they are as fast (an FP32 master's dual-axis 3.3x an fp32 copy against 3.6x),
   // and from DRAM the 512-bit build's fp32 row-block trees were 1.2-1.7x slower (4096x4096, one
-  // thread; docs/benchmarks.md "Issue 30, third session"). The AVX-512 build compiles bf16 only.
+  // thread, measured when the CPU kernels were unified). The AVX-512 build compiles bf16 only.
   if (kind != Src::BF16 && quantize == &avx512::quantize_matrices) {
     quantize = &avx2::quantize_matrices;
   }

@@ -1,4 +1,4 @@
-"""Storage queries that must answer, not abort, on a weight zrw released (issue 19).
+"""Storage queries that must answer, not abort, on a weight zrw released.
 
 zrw releases a weight's BF16 storage by freeing it and poisoning it with c10's data-pointer
 error (`StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_`, see

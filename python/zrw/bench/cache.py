@@ -143,7 +143,7 @@ def run_write_check(params: int = 16, dim: int = 1024, steps: int = 8) -> dict:
     """MasterWeights' check for writes that bypass it (a `.data` write bumps no version), as a
     share of a MasterWeights(AdamW) step over `params` unreleased bf16 parameters of dim x dim
     (embeddings, norms and heads are never released), against the full bit comparison of every
-    parameter with its master (what the check did before issue 28). Two optimizers over two
+    parameter with its master (what the check did before the digests). Two optimizers over two
     equal sets of parameters, one per mode, stepped in turn in one run; best step of each.
 
     The digest mode's check is the comparison before the step (`_sync_masters`), the record
@@ -361,8 +361,8 @@ def main(argv=None) -> None:
     wc = r["write_check"]
     print(
         f"\nMasterWeights' check for writes that bypass it, {wc['params']} unreleased bf16 "
-        f"parameters of {wc['dim']}x{wc['dim']}, MasterWeights(AdamW) step (issue 28's "
-        "target: at most 5% of the step)"
+        f"parameters of {wc['dim']}x{wc['dim']}, MasterWeights(AdamW) step (the "
+        "check's target: at most 5% of the step)"
     )
     print_table(
         "",

@@ -14,7 +14,7 @@ and, measured with zrw.memory's counting allocator in the last step, it reports 
 AdamW runs both ways torch offers: foreach=False (one tensor at a time: CPU's default) and
 foreach=True (multi-tensor, the GPU/NPU default), whose temporaries are whole-model lists.
 
-The memory ledger (issue 31) goes further, one row per way of training the same stack, each
+The memory ledger goes further, one row per way of training the same stack, each
 phase printed next to its arithmetic (the terms, exact bytes from the shapes):
   bf16                    plain BF16 training (F.linear, no zrw) with FP32 masters: the baseline
   restore-mxfp8           the seed's zero-redundancy step (restore at the step), mxfp8
@@ -314,7 +314,7 @@ def main(argv=None) -> None:
 def print_ledger(rows: dict, a) -> None:
     n = a.layers * a.dim * a.dim
     print(
-        f"\nMemory ledger (issue 31): bytes per converted weight element (x N, N = {n}), "
+        f"\nMemory ledger: bytes per converted weight element (x N, N = {n}), "
         f"the last of {a.steps} steps, {a.micro} x {a.tokens} tokens; measured with zrw.memory "
         "(this run's bytes, mx_matmul's tile workspace apart) next to the arithmetic"
     )
@@ -363,7 +363,7 @@ def print_ledger(rows: dict, a) -> None:
         base = rows[BASELINE]
         verdict = "met" if goal["static_per_n"] <= 11.0 else "NOT met"
         print(
-            f"  goal (issue 31): the BF16-free 32x32 step with FP8 moments at or below 11 N "
+            f"  goal: the BF16-free 32x32 step with FP8 moments at or below 11 N "
             f"static, 0.61x the baseline's 18 N: {goal['static_per_n']:.3f} N static = "
             f"{goal['static_vs_baseline']:.3f}x the measured baseline "
             f"{base['static_per_n']:.3f} N ({verdict}); global peak "
