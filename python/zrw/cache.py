@@ -1,8 +1,6 @@
-"""The native weight cache and the release / restore lifecycle (docs/design.md §5).
-
-These are stateful, eager-only calls: they run from layers and optimizer hooks, never inside a
-compiled graph (dynamo is told to skip them). The op wrappers of zrw.ops are stateless; this
-module is everything that changes what a weight holds:
+"""The weight cache's public API (docs/design.md §5): the calls a layer, an optimizer or a user
+makes, each checking its arguments and then running the lifecycle event it stands for
+(zrw.lifecycle, the state machine and the only writer of weight state).
 
   quant_and_release(w)    first use in a step: quantize, file the FP8 copy, release the BF16
   restore(w, fill)        bring one released weight back (raises if it is not released)
@@ -12,11 +10,14 @@ module is everything that changes what a weight holds:
                           use quantizes straight from the master (the BF16-free step)
   restore_all(fill)       every released trainable weight
   restore_value(w)        bring a weight's exact value back (its master, else its FP8 copy)
-  cache_state(w)          a CacheState: NONE, CACHED, RELEASED or RELEASED_FOR_GOOD
-  register_boundary_callback(fn)  run fn(optimizer) at every zrw optimizer boundary
+  cache_state(w)          a CacheState: NONE, CACHED, RELEASED, PENDING or RELEASED_FOR_GOOD
+  verify()                re-quantize at every use and compare with the copy served
 
-A DTensor weight (tensor / expert parallelism, zrw.parallel) is cached by its local shard: every
-call here given a DTensor (weight, master or source) works on its local tensor.
+These are stateful, eager-only calls: they run from layers and optimizer hooks, never inside a
+compiled graph (dynamo is told to skip them). A DTensor weight (tensor / expert parallelism) is
+cached by its local shard: every call here given a DTensor works on its local tensor. Frozen
+weights released for good (FP8OnlyParameter, frozen_values, restore_frozen) live in zrw.frozen
+and the optimizer boundary's callbacks in zrw.boundary; both are re-exported here.
 
 Guarantees (docs/guarantees.md; docs/design.md §5, "Safety invariants"): a restore checks that
 the weight still has the storage, dtype and size it was released with, allocates its bytes and
@@ -27,28 +28,77 @@ uninitialized memory unless the caller asked for "empty".
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import threading
-import warnings
-from collections import OrderedDict
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.hooks import RemovableHandle
 
-from . import _C
+from . import frozen, lifecycle
 from ._dtensor import local_tensor as _local
-from .ops import E4M3
+from .frozen import FROZEN_MODES, FP8OnlyParameter, frozen_mode, frozen_values, restore_frozen
+from .lifecycle import (
+    FILLS,
+    RECIPES,
+    CacheState,
+    StaleCopyError,
+    holds_master,
+    no_release,
+    release_enabled,
+    take_into_master,
+    unchanged_since_write_back,
+    verify,
+    weight_digest,
+    weight_signature,
+)
+from .ops import E4M3, E5M2, SCALE_MODES
 from .planes import MXWeight
-from .record import find_record, record_of, records
+from .record import find_record, records
 
-# One source: the native cache's names (csrc/common/names.h).
-FILLS = tuple(_C.fill_names())
-RECIPES = tuple(_C.cache_recipes())
+__all__ = [
+    "CacheState",
+    "FILLS",
+    "FP8OnlyParameter",
+    "FROZEN_MODES",
+    "RECIPES",
+    "StaleCopyError",
+    "assign_weights",
+    "cache_clear",
+    "cache_entries",
+    "cache_invalidate",
+    "cache_master",
+    "cache_state",
+    "cache_states",
+    "cache_stats",
+    "frozen_mode",
+    "frozen_values",
+    "holds_master",
+    "is_cached",
+    "is_owned",
+    "is_released",
+    "master_of",
+    "next_step",
+    "no_release",
+    "quant_and_release",
+    "register_master",
+    "register_owner",
+    "release_enabled",
+    "restore",
+    "restore_all",
+    "restore_frozen",
+    "restore_value",
+    "restore_weights",
+    "set_weight_name",
+    "take_into_master",
+    "unchanged_since_write_back",
+    "unregister_owner",
+    "verify",
+    "weight_digest",
+    "weight_name",
+    "weight_signature",
+    "write_back",
+]
 
-_release_state = threading.local()
+_ELEM_DTYPES = (E4M3, E5M2)
 
 # Why torch.compile breaks the graph at zrw's stateful calls (dynamo names it in its message,
 # e.g. under fullgraph=True).
@@ -58,55 +108,6 @@ EAGER_ONLY = (
     "so torch.compile(model, fullgraph=True) cannot compile it; compile without "
     "fullgraph=True (docs/guarantees.md)"
 )
-
-
-class CacheState(str, enum.Enum):
-    """What the native cache holds for a weight (zrw.cache.cache_state). A str enum: each state
-    compares equal to its name's value ("none", "cached", "released", "released_for_good")."""
-
-    NONE = "none"  # no entry
-    CACHED = "cached"  # its FP8 copy is cached, its storage kept
-    RELEASED = "released"  # cached, storage released until the boundary
-    RELEASED_FOR_GOOD = "released_for_good"  # a frozen weight released with release_frozen
-
-    @property
-    def released(self) -> bool:
-        """Whether the weight's storage is released (RELEASED or RELEASED_FOR_GOOD)."""
-        return self in (CacheState.RELEASED, CacheState.RELEASED_FOR_GOOD)
-
-    @property
-    def cached(self) -> bool:
-        """Whether the weight has an entry (anything but NONE)."""
-        return self is not CacheState.NONE
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The native cache's state codes (csrc/cache/weight_cache.cpp, WeightCache::state), in order.
-_STATES = (CacheState.NONE, CacheState.CACHED, CacheState.RELEASED, CacheState.RELEASED_FOR_GOOD)
-
-
-@contextlib.contextmanager
-def no_release() -> Iterator[None]:
-    """Within this block quant_and_release caches FP8 copies but never releases a BF16 storage.
-
-    For code that never reaches an optimizer step (a reference model): nothing would restore
-    what it released. Under `torch.no_grad()` nothing is released either, and nothing is cached
-    (each call quantizes the weight's current values: an eval never reaches a step boundary,
-    so a cached copy could miss a write through `.data`).
-    """
-    prev = getattr(_release_state, "disabled", 0)
-    _release_state.disabled = prev + 1
-    try:
-        yield
-    finally:
-        _release_state.disabled = prev
-
-
-def release_enabled() -> bool:
-    """False inside zrw.no_release()."""
-    return getattr(_release_state, "disabled", 0) == 0
 
 
 def _check_tensor(op: str, arg: str, t) -> Tensor:
@@ -144,6 +145,15 @@ def _check_fill(op: str, fill) -> None:
         raise TypeError(f"{op}: fill must be a str, one of {FILLS}, got {type(fill).__name__}")
     if fill not in FILLS:
         raise ValueError(f"{op}: fill must be one of {FILLS}, got {fill!r}")
+
+
+def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
+    if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
+        raise TypeError(
+            f"{op}: {arg} must be an iterable of tensors (a list, not a single "
+            f"tensor, name or dict), got {type(ts).__name__}"
+        )
+    return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
 def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
@@ -235,89 +245,30 @@ def quant_and_release(
             "quantized nor released. Materialize the model first (e.g. "
             "model.to_empty(device='cpu') and load or initialize its weights)"
         )
-    rec = record_of(w)
-    layout = (recipe, elem_dtype, scale_mode)
-    if rec.quantized_as != layout:
-        rec.quantized_as = layout
-    if name is None:
-        name = rec.name
-    elif name and not rec.name:
-        rec.name = name  # messages outside the cache (the optimizer guard) use it too
-    release = release and release_enabled()
-    grad = torch.is_grad_enabled()
-    if grad and trainable and (require_owner or not release):
-        release = _training_use(op, w, rec, release, name)
-    elif grad and release and release_frozen and not trainable and rec.masters:
-        # A frozen weight about to be released for good: its master (an optimizer keeps one)
-        # takes what was written since the last write-back first, as for a trainable weight.
-        if _STATES[torch.ops.zrw.cache_state.default(w)] is CacheState.NONE:
-            _sync_before_release(w, rec)
-    # Under no_grad nothing is released and the guard never asks: the weight's own flag.
-    tensors = torch.ops.zrw.quant_and_release.default(
-        w,
-        recipe,
-        release,
-        release_frozen,
-        elem_dtype,
-        scale_mode,
-        name,
-        trainable if grad else w.requires_grad,
-    )
-    if release and release_frozen and not trainable and type(w) is torch.nn.Parameter:
-        _mark_fp8_only(w, rec)
-    return MXWeight.from_tensors(recipe, tensors)
-
-
-def _training_use(op: str, w: Tensor, rec, release: bool, name: str) -> bool:
-    """The transitions of a trainable weight's use in training (docs/design.md §5, "Events
-    and transitions"), before the native lookup. Returns whether the lookup may release it.
-
-    - released for good while frozen, now trainable: restored exactly from its master, or a
-      named error (its BF16 values no longer exist) before anything changes;
-    - no owner (no optimizer with the zrw boundary, no FP32 master): nothing would start a new
-      step for it, so its FP8 copy is made afresh at every use (a write through `.data`
-      between uses is never served stale) and its BF16 storage is kept;
-    - held (restored for a write the next write-back reads) or tied: cached, not released;
-    - else, at its first use in a step: its master takes what was written since the last
-      write-back (_sync_before_release)."""
-    state = _STATES[torch.ops.zrw.cache_state.default(w)]
-    if state is CacheState.RELEASED_FOR_GOOD:
-        _unfreeze(op, w, rec, name)
-        state = CacheState.NONE
-    if not rec.owned():
-        if state.released:
-            restore_value(w)  # its owner is gone: exact from the master its entry keeps
-        elif state.cached:
-            torch.ops.zrw.cache_invalidate(w, "dequant")
-        if release:
-            _warn_unowned(name)
-        return False
-    if not release:
-        return False
-    if rec.hold or rec.tied:
-        return False
-    if state is CacheState.NONE:
-        _sync_before_release(w, rec)
-    return True
-
-
-def _unfreeze(op: str, w: Tensor, rec, name: str) -> None:
-    """A weight released for good while frozen (release_frozen) is trainable again: its value
-    comes back exactly from its FP32 master, or the use is refused by name."""
-    master = rec.master()
-    if master is None:
-        master = torch.ops.zrw.cache_master(w)
-    if master is None:
-        shown = name or f"<unnamed weight of shape {tuple(w.shape)}>"
-        raise RuntimeError(
-            f"{op}: weight {shown!r} was released for good while frozen (release_frozen=True): "
-            "only its MXFP8 copy exists, and it has no FP32 master to train from, but it "
-            "requires grad again. Nothing was changed. Either unfreeze it only after "
-            "zrw.cache.restore_frozen(model) (its dequantized FP8 values become its BF16 "
-            "weights: lossy), or build the optimizer over it before it is released "
-            "(zrw.optim.AdamW / MasterWeights keep its exact FP32 master)"
+    # Checked here, as the native op checks them, so that a refused use changes nothing.
+    if recipe not in RECIPES:
+        raise ValueError(f'{op}: recipe must be "{RECIPES[0]}" or "{RECIPES[1]}", got "{recipe}"')
+    if elem_dtype not in _ELEM_DTYPES:
+        raise TypeError(
+            f"{op}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
         )
-    torch.ops.zrw.restore(w, "master", master)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(
+            f'{op}: scale_mode must be "{SCALE_MODES[0]}" or "{SCALE_MODES[1]}", got "{scale_mode}"'
+        )
+    tensors = lifecycle.use(
+        op,
+        w,
+        (recipe, elem_dtype, scale_mode),
+        bool(release),
+        bool(release_frozen),
+        name,
+        require_owner,
+        trainable,
+    )
+    if release and release_frozen and not trainable:
+        frozen.mark(w)
+    return MXWeight.from_tensors(recipe, tensors)
 
 
 def _quant_and_release_eagerly(*args, **kwargs) -> MXWeight:
@@ -332,72 +283,12 @@ _eager_quant_and_release = torch._dynamo.disable(_quant_and_release_eagerly, rea
 _unowned_warned = False
 
 
-def _warn_unowned(name: str) -> None:
-    """Once per process: a trainable weight used in training that no optimizer with the zrw
-    boundary owns keeps its BF16 storage (the Hugging Face Trainer's own default optimizer, an
-    optimizer built after the first forward, or none)."""
-    global _unowned_warned
-    if _unowned_warned:
-        return
-    _unowned_warned = True
-    warnings.warn(
-        f"zrw: weight '{name or '<unnamed>'}' (and any other in the same case) is trained, but no "
-        "optimizer with the zrw boundary owns it, so its BF16 storage is kept: training is "
-        "exact, without the zero-redundancy saving. Build the optimizer before the first "
-        "training forward as zrw.optim.AdamW(params, ...) or "
-        "zrw.optim.attach(zrw.optim.MasterWeights(...)); with Hugging Face's Trainer or TRL's "
-        'SFTTrainer pass optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": ...}). (If the '
-        "optimizer is built later, the release starts with its first step.)",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-def _sync_before_release(w: Tensor, rec) -> None:
-    """A weight with an FP32 master that is about to be released (its first use in a step,
-    with no entry yet) and was written since its optimizer's last write-back (a
-    load_state_dict, an apply, a write through `.data` between steps): its master takes the
-    written value now (take_into_master), since nothing can read the weight once it is
-    released (MasterWeights reads the unreleased ones at its step)."""
-    master = rec.master()
-    if master is None or master.shape != w.shape:
-        return  # (MasterWeights' step names a change of shape)
-    if unchanged_since_write_back(w, rec, master):
-        return
-    take_into_master(master, w)
-
-
-def take_into_master(master: Tensor, value: Tensor) -> bool:
-    """The rule of truth for a weight with an FP32 master: the master is the value, and a
-    write to the weight (`value`, in the weight's dtype) reaches the master only if its bits
-    differ from `master.to(value.dtype)`. Loading the values a write-back wrote (a checkpoint
-    taken from this run, a state dict read back, the optimizer's state loaded before the
-    model's) leaves the master's FP32 bits alone; a tensor written with other values replaces
-    the master (the values the next step starts from are the written ones, as for a fresh
-    optimizer built over them). Returns whether the master changed."""
-    master, value = _local(master), _local(value)
-    if master.shape != value.shape:
-        raise ValueError(
-            f"zrw.cache.take_into_master: value must have the master's shape "
-            f"{tuple(master.shape)}, got {tuple(value.shape)}"
-        )
-    if value.dtype == master.dtype:
-        unchanged = torch.equal(master, value)
-    else:
-        unchanged = holds_master(value, master)
-    if unchanged:
-        return False
-    with torch.no_grad():
-        master.copy_(value.detach())
-    return True
-
-
 def set_weight_name(w: Tensor, name: str) -> None:
     """Name `w` for zrw's messages (the release poison, cache_entries) where a call passes none."""
     w = _check_tensor("zrw.cache.set_weight_name", "w", w)
     if not isinstance(name, str):
         raise TypeError(f"zrw.cache.set_weight_name: name must be a str, got {type(name).__name__}")
-    record_of(w).name = name
+    lifecycle.name_weight(w, name)
 
 
 def weight_name(w: Tensor) -> str:
@@ -406,76 +297,15 @@ def weight_name(w: Tensor) -> str:
     return "" if rec is None else rec.name
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 20  # elements compared at a time: the check's transient stays small
-
-
-def weight_signature(p: torch.Tensor):
-    """What changes when a parameter is written through autograd-visible ops (its version) or
-    is cast (dtype, device, shape): read without touching a released weight's bytes. Writes
-    through `.data` change none of it: holds_master compares the bits."""
-    return (p._version, p.dtype, p.device, tuple(p.shape))
-
-
-def weight_digest(p: torch.Tensor) -> Optional[int]:
-    """A 64-bit digest of p's bytes (zrw._C.bits_digest), or None where it is not taken (not a
-    contiguous CPU tensor). Read-only; p must not be released (its data pointer raises).
-    MasterWeights records it after each write-back and compares it before the next step: a
-    write through `.data` (which bumps no version counter) changes it, and an unchanged
-    parameter is then known to hold `master.to(p.dtype)` without comparing it with its master
-    (4N bytes read per step instead of about 10N with temporaries)."""
-    if p.device.type != "cpu" or not p.is_contiguous():
-        return None
-    return _C.bits_digest(p.data_ptr(), p.numel() * p.element_size())
-
-
-def unchanged_since_write_back(p: Tensor, rec, master: Tensor) -> bool:
-    """Whether p still holds what `master`'s last write-back wrote: its record says that master
-    wrote it last, and neither its signature (version, dtype, device, shape) nor the digest of
-    its bytes changed since."""
-    if rec is None or rec.digest is None or rec.written is None:
-        return False
-    cur = None if rec.current is None else rec.current()
-    return cur is master and weight_signature(p) == rec.written and weight_digest(p) == rec.digest
-
-
-def holds_master(p: torch.Tensor, m: torch.Tensor) -> bool:
-    """Whether p's bits are exactly m.to(p.dtype) (what the write-back wrote): catches writes
-    that bump no version (through `.data`). Compared in chunks of _CHUNK elements."""
-    if p.shape != m.shape or p.device != m.device or p.element_size() not in _BITS:
-        return False
-    bits = _BITS[p.element_size()]
-    pf, mf = p.detach().reshape(-1), m.detach().reshape(-1)
-    for i in range(0, pf.numel(), _CHUNK):
-        a = pf[i : i + _CHUNK].contiguous()
-        b = mf[i : i + _CHUNK].to(p.dtype)
-        if not torch.equal(a.view(bits), b.view(bits)):
-            return False
-    return True
-
-
-# Owners and masters live in each weight's record (zrw.record): the optimizers with the zrw
-# boundary that step it, and one FP32 master per optimizer that keeps masters. `is_owned` reads
-# them: the zrw layers release a trainable weight only when something will write it back
-# exactly or restore it at a boundary, never one that no optimizer owns (it would stay released
-# for good, readable only as its lossy FP8 dequantization).
-
-
 def register_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Record that `optimizer` (with the zrw boundary) steps these weights (zrw.optim.attach
     calls it)."""
-    ws = _tensor_list("zrw.cache.register_owner", "weights", weights)
-    for w in ws:
-        record_of(w).owners.add(optimizer)
+    lifecycle.own(_tensor_list("zrw.cache.register_owner", "weights", weights), optimizer)
 
 
 def unregister_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Forget `optimizer` as the owner of these weights (zrw.optim.detach)."""
-    ws = _tensor_list("zrw.cache.unregister_owner", "weights", weights)
-    for w in ws:
-        rec = find_record(w)
-        if rec is not None:
-            rec.owners.discard(optimizer)
+    lifecycle.disown(_tensor_list("zrw.cache.unregister_owner", "weights", weights), optimizer)
 
 
 def is_owned(w: Tensor) -> bool:
@@ -485,17 +315,6 @@ def is_owned(w: Tensor) -> bool:
     w = _check_tensor("zrw.cache.is_owned", "w", w)
     rec = find_record(w)
     return rec is not None and rec.owned()
-
-
-def _registered_masters() -> List[tuple]:
-    """(weight, master) for each weight with a live master, with strong references, so that an
-    optimizer torn down meanwhile cannot take a master away from a restore that chose it."""
-    pairs = []
-    for w, rec in records():
-        m = rec.master()
-        if m is not None:
-            pairs.append((w, m))
-    return pairs
 
 
 def register_master(weight: Tensor, master: Tensor, optimizer=None) -> None:
@@ -509,17 +328,14 @@ def register_master(weight: Tensor, master: Tensor, optimizer=None) -> None:
             f"zrw.cache.register_master: master must have the weight's shape "
             f"{tuple(weight.shape)}, got {tuple(master.shape)}"
         )
-    record_of(weight).set_master(optimizer, master)
+    lifecycle.add_master(weight, master, optimizer)
 
 
 def master_of(weight: Tensor) -> Optional[Tensor]:
     """The FP32 master of `weight`: the one registered (by MasterWeights), else the one its cache
     entry holds while it is released after a keep_released write-back, or None. (For a DTensor
     weight: its local shard's master.)"""
-    weight = _check_tensor("zrw.cache.master_of", "weight", weight)
-    rec = find_record(weight)
-    master = None if rec is None else rec.master()
-    return cache_master(weight) if master is None else master
+    return lifecycle.master_of(_check_tensor("zrw.cache.master_of", "weight", weight))
 
 
 def cache_master(w: Tensor) -> Optional[Tensor]:
@@ -563,10 +379,10 @@ def restore(w: Tensor, fill: str = "master", source: Optional[Tensor] = None) ->
             )
     elif fill == "master":
         source = master_of(w)
-        if source is None and _STATES[torch.ops.zrw.cache_state(w)].released:
+        if source is None and lifecycle.state(w).released:
             raise _no_master_error(op, w)
-    torch.ops.zrw.restore(w, fill, source)
-    _unmark_fp8_only(w)
+    lifecycle.restore(w, fill, source)
+    frozen.unmark(w)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
@@ -577,13 +393,8 @@ def restore_value(w: Tensor) -> Optional[Tensor]:
     unreleased weight's FP8 copy is dropped (it goes stale on a write). Returns w's master (or
     None), so that the caller can hold w until the master has read a write."""
     w = _check_tensor("zrw.cache.restore_value", "w", w)
-    state = cache_state(w)
-    master = master_of(w)
-    if state.released:
-        torch.ops.zrw.restore(w, "master" if master is not None else "dequant", master)
-        _unmark_fp8_only(w)
-    elif state.cached:
-        torch.ops.zrw.cache_invalidate(w, "dequant")
+    master = lifecycle.restore_value(w)
+    frozen.unmark(w)
     return master
 
 
@@ -599,12 +410,11 @@ def restore_weights(weights: Iterable[Tensor], fill: str = "master") -> int:
     _check_fill(op, fill)
     sources: List[Optional[Tensor]] = [None] * len(ws)
     if fill == "master":
-        states = torch.ops.zrw.cache_states(ws)
-        for i, (w, st) in enumerate(zip(ws, states)):
-            sources[i] = master_of(w)
-            if sources[i] is None and _STATES[st] is CacheState.RELEASED:
+        for i, (w, st) in enumerate(zip(ws, lifecycle.states(ws))):
+            sources[i] = lifecycle.master_of(w)
+            if sources[i] is None and st in (CacheState.RELEASED, CacheState.PENDING):
                 raise _no_master_error(op, w)
-    return torch.ops.zrw.restore_weights(ws, fill, sources)
+    return lifecycle.boundary(ws, fill, sources)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
@@ -634,7 +444,7 @@ def assign_weights(
         )
     if not isinstance(keep_released, bool):
         raise TypeError(f"{op}: keep_released must be a bool, got {type(keep_released).__name__}")
-    return torch.ops.zrw.assign_weights(ws, srcs, keep_released)
+    return lifecycle.assign(ws, srcs, keep_released)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
@@ -644,15 +454,11 @@ def write_back(
     """assign_weights for MasterWeights' write-back: also returns, per weight, the digest of
     the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken right
     after each write, from cache, or None (released, or not a contiguous CPU tensor). Arguments
-    checked by the caller."""
-    digests = torch.empty(len(weights), 2, dtype=torch.int64)
-    torch.ops.zrw.assign_weights(weights, sources, keep_released, digests)
-    return [d & _U64 if taken else None for taken, d in digests.tolist()]
+    checked by the caller. The records say which master each weight holds."""
+    return lifecycle.write_back(list(weights), list(sources), keep_released)
 
 
-_U64 = (1 << 64) - 1
-
-
+@torch._dynamo.disable(reason=EAGER_ONLY)
 @torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_all(fill: str = "master") -> int:
     """Restore every released trainable weight and drop every trainable weight's FP8 entry.
@@ -664,49 +470,20 @@ def restore_all(fill: str = "master") -> int:
     All-or-nothing per weight: the error names every weight that could not be restored, and
     each of them keeps its entry and FP8 copy. Returns the number of weights restored.
     """
-    op = "zrw.cache.restore_all"
-    _check_fill(op, fill)
-    if fill != "master":
-        return torch.ops.zrw.restore_all(fill, [])
-    errors = []
-    n = 0
-    # The weights with a live master first (restore_weights skips frozen entries), then the rest
-    # (a weight whose cache entry keeps its master is restored from it exactly there too).
-    # A snapshot with strong references: optimizers built or deleted on other threads meanwhile
-    # change neither the set of weights nor their masters under this call.
-    pairs = _registered_masters()
-    with_master = [w for w, _ in pairs]
-    try:
-        n += torch.ops.zrw.restore_weights(with_master, "master", [m for _, m in pairs])
-    except RuntimeError as e:
-        errors.append(str(e))
-    # The lossy fill below never reaches a weight with a master: neither one left released
-    # above (it keeps its entry) nor one that another thread's forward released again since.
-    try:
-        n += torch.ops.zrw.restore_all("dequant", with_master)
-    except RuntimeError as e:
-        errors.append(str(e))
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return n
+    _check_fill("zrw.cache.restore_all", fill)
+    return lifecycle.restore_all(fill)
 
 
 def cache_state(w: Tensor) -> CacheState:
     """CacheState.NONE: w has no cache entry; CACHED: its FP8 copy is cached; RELEASED: cached
     and its storage released until the optimizer boundary; RELEASED_FOR_GOOD: a frozen weight
     released with release_frozen (its FP8 copy is its only value)."""
-    w = _check_tensor("zrw.cache.cache_state", "w", w)
-    return _STATES[torch.ops.zrw.cache_state(w)]
+    return lifecycle.state(_check_tensor("zrw.cache.cache_state", "w", w))
 
 
 def cache_states(weights: Iterable[Tensor]) -> List[CacheState]:
     """cache_state of each weight, in one call."""
-    return [
-        _STATES[s]
-        for s in torch.ops.zrw.cache_states(
-            _tensor_list("zrw.cache.cache_states", "weights", weights)
-        )
-    ]
+    return lifecycle.states(_tensor_list("zrw.cache.cache_states", "weights", weights))
 
 
 def is_released(w: Tensor) -> bool:
@@ -724,7 +501,7 @@ def is_cached(w: Tensor) -> bool:
 def next_step() -> None:
     """Start a new optimizer step: every trainable weight that is not released is re-quantized
     at its next use (a released weight cannot have changed: its copy stays valid)."""
-    torch.ops.zrw.next_step()
+    lifecycle.next_step()
 
 
 def cache_clear(fill: str = "dequant") -> None:
@@ -733,14 +510,13 @@ def cache_clear(fill: str = "dequant") -> None:
     that cannot be restored keeps its entry, and the error names it."""
     _check_fill("zrw.cache.cache_clear", fill)
     if fill == "master":
-        restore_all("master")
+        lifecycle.restore_all("master")
         fill = "dequant"
     try:
-        torch.ops.zrw.cache_clear(fill)
+        lifecycle.clear(fill)
     finally:
         for w, _ in records():  # frozen weights restored: ordinary Parameters again
-            if type(w) is FP8OnlyParameter and not cache_state(w).released:
-                _unmark_fp8_only(w)
+            frozen.unmark(w)
 
 
 def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
@@ -753,218 +529,12 @@ def cache_invalidate(w: Tensor, fill: str = "dequant") -> bool:
     if fill == "master":
         state = cache_state(w)
         if not state.released:  # nothing released: nothing to fill
-            return state.cached and torch.ops.zrw.cache_invalidate(w, "dequant")
+            return state.cached and lifecycle.invalidate(w, "dequant")
         restore(w, "master")  # raises the explanatory error if w has no master
         return True
-    dropped = torch.ops.zrw.cache_invalidate(w, fill)
-    _unmark_fp8_only(w)
+    dropped = lifecycle.invalidate(w, fill)
+    frozen.unmark(w)
     return dropped
-
-
-def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
-    """Bring back every frozen weight released for good (release_frozen=True) among the
-    parameters of a module (or a list of weights), from its FP8 copy: its only value, so this
-    is lossy against the BF16 weight it was made from. Afterwards the weights are ordinary
-    tensors that can be written (PEFT's merge_and_unload, an in-place update); their next use
-    in a layer with release_frozen quantizes the written values and releases them again.
-    (restore_all skips frozen weights: their FP8 copy is kept across steps on purpose.)
-    Returns the number restored."""
-    op = "zrw.cache.restore_frozen"
-    if fill != "dequant":
-        raise ValueError(
-            f"{op}: fill must be 'dequant' (a frozen weight released for good has "
-            f"only its FP8 copy), got {fill!r}"
-        )
-    if isinstance(model_or_weights, torch.nn.Module):
-        ws = [_local(p) for p in model_or_weights.parameters()]
-    else:
-        ws = _tensor_list(op, "model_or_weights", model_or_weights)
-    frozen = [w for w, st in zip(ws, cache_states(ws)) if st is CacheState.RELEASED_FOR_GOOD]
-    for w in frozen:
-        torch.ops.zrw.cache_invalidate(w, "dequant")
-        _unmark_fp8_only(w)
-    return len(frozen)
-
-
-# ---- frozen weights released for good without a master: the FP8 copy is their only value ----
-#
-# docs/design.md §5, "Events and transitions". A frozen weight released for good
-# (release_frozen=True) that no FP32 master backs has no BF16 value left in the process. A
-# write to it (PEFT's merge_and_unload: `base_layer.weight.data += delta`; `w.data.add_(..)`,
-# `w.copy_(t)` under no_grad) first fills it from its dequantized FP8 copy, its only value,
-# with one warning that this rounds, and then applies: what PEFT does for its quantized bases.
-# The write reaches the weight's storage through torch's own ops, and a poisoned storage gives
-# Python no hook; so while a weight is in that state its Parameter's class is FP8OnlyParameter,
-# an nn.Parameter subclass whose __torch_function__ sees `.data` and in-place calls on it.
-# Its class goes back to nn.Parameter when it leaves the state (a write, restore_frozen).
-# Under frozen_values("raise") the write is refused by name instead and nothing changes.
-
-FROZEN_MODES = ("dequant", "raise")
-_frozen_state = threading.local()
-_frozen_write_warned = False
-
-
-def frozen_mode() -> str:
-    """How zrw gives out or takes in the lossy FP8 value of a frozen weight released for good
-    (release_frozen=True), whose MXFP8 copy is its only value: "dequant" (the default:
-    state_dict() gives its dequantized FP8 values, and a write to it fills it from them first,
-    each with a warning once per process) or "raise" (both are refused with a named error).
-    Set it with `frozen_values` (zrw.checkpoint.frozen_values)."""
-    return getattr(_frozen_state, "mode", "dequant")
-
-
-@contextlib.contextmanager
-def frozen_values(mode: str) -> Iterator[None]:
-    """Within this block each frozen weight released for good is handled as `mode` says:
-    "dequant" (state_dict() and every save built on it, torch.save of a state dict, PEFT's
-    save_pretrained, Trainer checkpoints, give its dequantized FP8 copy, the only value left,
-    lossy against the BF16 weight it was made from; a write to it, PEFT's merge_and_unload,
-    fills it from that copy first) or "raise" (a named error for both)."""
-    if mode not in FROZEN_MODES:
-        raise ValueError(
-            f"zrw.cache.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
-        )
-    prev = frozen_mode()
-    _frozen_state.mode = mode
-    try:
-        yield
-    finally:
-        _frozen_state.mode = prev
-
-
-# In-place Tensor methods that change a tensor's metadata or autograd state, not its values:
-# they pass through (a released weight's poison still refuses what would read its bytes).
-_NOT_WRITES = frozenset(
-    {
-        "requires_grad_",
-        "share_memory_",
-        "detach_",
-        "set_",
-        "resize_",
-        "resize_as_",
-        "as_strided_",
-        "squeeze_",
-        "unsqueeze_",
-        "transpose_",
-        "t_",
-        "swapdims_",
-        "swapaxes_",
-        "rename_",
-    }
-)
-_DUNDER_WRITES = frozenset(
-    {"__setitem__"}
-    | {
-        f"__i{op}__"
-        for op in ("add sub mul matmul truediv floordiv mod pow and or xor lshift rshift".split())
-    }
-)
-_DATA_GET = torch.Tensor.data.__get__
-_PASS_THROUGH = torch._C._disabled_torch_function_impl
-_DATA_SET = torch.Tensor.data.__set__
-
-
-def _is_write(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in _DUNDER_WRITES:
-        return True
-    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
-
-
-class FP8OnlyParameter(torch.nn.Parameter):
-    """The class of a frozen Parameter released for good without an FP32 master while it is
-    in that state (see above; docs/design.md §5). Every op passes through as on nn.Parameter;
-    `.data` and in-place writes on the parameter itself first fill it from its dequantized
-    FP8 copy (`_write_to_fp8_only`); `w.data = t` takes `t` and drops the FP8 copy. Copies
-    and pickles behave as for any released weight (the poison's error names it)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        w = args[0] if args else None
-        if isinstance(w, cls):
-            if func == _DATA_SET:
-                with torch._C.DisableTorchFunctionSubclass():
-                    out = func(*args, **kwargs)
-                torch.ops.zrw.cache_invalidate(w, "dequant")  # replaced: nothing written
-                _unmark_fp8_only(w)
-                return out
-            if func == _DATA_GET:
-                _write_to_fp8_only(w, "`.data`")
-            elif _is_write(func):
-                _write_to_fp8_only(w, f"`{func.__name__}`")
-        # Everything else as on nn.Parameter (torch's own pass-through, in C).
-        return _PASS_THROUGH(func, types, args, kwargs)
-
-    def __deepcopy__(self, memo):
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.nn.Parameter.__deepcopy__(self, memo)
-
-    def __reduce_ex__(self, proto):
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.nn.Parameter.__reduce_ex__(self, proto)
-
-
-def _mark_fp8_only(w: Tensor, rec) -> None:
-    """After a use that may have released frozen Parameter `w` for good: without an FP32
-    master its FP8 copy is its only value, and a write to it must see it (FP8OnlyParameter)."""
-    if _STATES[torch.ops.zrw.cache_state.default(w)] is not CacheState.RELEASED_FOR_GOOD:
-        return
-    if rec.master() is not None or torch.ops.zrw.cache_master(w) is not None:
-        return
-    w.__class__ = FP8OnlyParameter
-
-
-def _unmark_fp8_only(w: Tensor) -> None:
-    if type(w) is FP8OnlyParameter:
-        w.__class__ = torch.nn.Parameter
-
-
-def _write_to_fp8_only(w: Tensor, how: str) -> None:
-    """A write (through `how`) to a weight released for good: filled from its FP8 copy (with
-    the once-per-process warning that this rounds) or, with an FP32 master, exactly from it;
-    refused by name under frozen_values("raise"), with nothing changed. A weight no longer in
-    that state (restored meanwhile by another path) only gets its class back."""
-    state = _STATES[torch.ops.zrw.cache_state.default(w)]
-    if state is CacheState.RELEASED_FOR_GOOD:
-        master = master_of(w)
-        name = weight_name(w) or f"<unnamed weight of shape {tuple(w.shape)}>"
-        if master is not None:
-            torch.ops.zrw.restore(w, "master", master)
-        elif frozen_mode() == "raise":
-            raise RuntimeError(
-                f"zrw.cache: a write through {how} to frozen weight {name!r}, released for "
-                "good (release_frozen=True): only its MXFP8 copy holds its values, and "
-                "zrw.checkpoint.frozen_values('raise') is in effect, so it is not filled from "
-                "that copy (lossy). Nothing was changed. Write it outside that block (e.g. "
-                "PEFT's merge_and_unload: the base is filled from its dequantized FP8 copy, "
-                "with a warning), call zrw.cache.restore_frozen(model) first, or convert with "
-                "release_frozen=False to keep the exact BF16 base"
-            )
-        else:
-            torch.ops.zrw.cache_invalidate(w, "dequant")
-            _warn_frozen_write(name, how)
-    _unmark_fp8_only(w)
-
-
-def _warn_frozen_write(name: str, how: str) -> None:
-    """Once per process: a write to a frozen weight released for good rounded its base."""
-    global _frozen_write_warned
-    if _frozen_write_warned:
-        return
-    _frozen_write_warned = True
-    warnings.warn(
-        f"zrw: a write through {how} to frozen weight '{name}' (and to every other frozen "
-        "weight released for good written after it, e.g. by PEFT's merge_and_unload) first "
-        "filled it from its dequantized MXFP8 copy, its only value since release_frozen=True "
-        "released it: the result rounds the base weights to MXFP8 (as a merge into a "
-        "quantized base does). The written weights are ordinary BF16 weights again; their "
-        "next use quantizes them. Keep the original checkpoint for the exact base, or use "
-        "zrw.checkpoint.frozen_values('raise') to refuse",
-        UserWarning,
-        stacklevel=4,
-    )
 
 
 def cache_stats() -> Dict[str, int]:
@@ -987,27 +557,3 @@ def cache_entries() -> List[Dict[str, object]]:
     cols = torch.ops.zrw.cache_entries()
     keys = ("name", "status", "hits", "misses", "storage_bytes")
     return [dict(zip(keys, row)) for row in zip(*cols)]
-
-
-# ---- the optimizer boundary's callbacks ------------------------------------------------------
-# An OrderedDict, as torch's own hook tables: RemovableHandle keeps a weak reference to it.
-_boundary_callbacks: "OrderedDict[int, Callable[[torch.optim.Optimizer], None]]" = OrderedDict()
-
-
-def register_boundary_callback(fn: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
-    """Call `fn(optimizer)` at every zrw optimizer boundary, before the step (and before any
-    restore). zrw.fsdp registers the drop of its shard caches here. Returns a handle whose
-    `remove()` unregisters it. (Also zrw.optim.register_boundary_callback.)"""
-    if not callable(fn):
-        raise TypeError(
-            f"zrw.cache.register_boundary_callback: fn must be callable, got {type(fn).__name__}"
-        )
-    handle = RemovableHandle(_boundary_callbacks)
-    _boundary_callbacks[handle.id] = fn
-    return handle
-
-
-def run_boundary_callbacks(optimizer: torch.optim.Optimizer) -> None:
-    """Run every registered boundary callback with `optimizer` (zrw.optim's boundary)."""
-    for fn in list(_boundary_callbacks.values()):
-        fn(optimizer)

@@ -38,21 +38,18 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import cache
+from . import cache, lifecycle
 from ._dtensor import is_dtensor, local_tensor
+
+# zrw.frozen and zrw.state_dict (lower levels) hold these; this module is their public home.
+from .frozen import FROZEN_MODES, frozen_mode, frozen_values  # noqa: F401
 from .planes import MXPlanesCarrier, is_zrw_layer
 from .record import find_record
-
-# zrw.state_dict (one level down, where the layers' state-dict logic lives) holds these; this
-# module is their public home.
 from .state_dict import (  # noqa: F401
-    FROZEN_MODES,
     deferred,
     deferring,
     frozen_error,
-    frozen_mode,
     frozen_value,
-    frozen_values,
     materialize,
     warn_frozen_dequant,
 )
@@ -422,17 +419,7 @@ def _forward_plane(e: _MXEntry) -> Tuple[Tensor, Tensor]:
     cache's inference read (docs/design.md §5), which changes no entry, state or record."""
     w = local_tensor(e.param)
     r = e.recipe
-    with torch.inference_mode():
-        tensors = torch.ops.zrw.quant_and_release.default(
-            w,
-            r.cache_layout,
-            False,
-            False,
-            r.elem_dtype,
-            r.scale_mode,
-            cache.weight_name(w) or e.name,
-            w.requires_grad,
-        )
+    tensors = lifecycle.served(w, (r.cache_layout, r.elem_dtype, r.scale_mode), e.name)
     data, scale = tensors[0], tensors[1]
     want = (*w.shape[:-1], w.shape[-1] // 32)
     if data.shape != w.shape or tuple(scale.shape) != want or scale.dtype != _SCALE_DTYPE:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from . import cache, ops, planes
+from . import boundary, cache, ops, planes
 from ._dtensor import _dtensor_cls, check_placements, is_dtensor
 from .config import QuantRecipe, get_recipe
 
@@ -62,7 +62,7 @@ def clear_shard_cache() -> None:
         w._mx_planes = None
 
 
-_boundary_handle = cache.register_boundary_callback(lambda opt: clear_shard_cache())
+_boundary_handle = boundary.register_boundary_callback(lambda opt: clear_shard_cache())
 
 
 # Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,

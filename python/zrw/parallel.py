@@ -33,14 +33,13 @@ a BF16 layer; EP moves whole tokens and changes nothing but the order of the row
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List
 
 import torch
 from torch import Tensor
 
-from . import cache
+from . import cache, lifecycle
 
 # The helpers the layers and the cache use live below them (zrw._dtensor, zrw.weights,
 # zrw.nn.functional); zrw.parallel is their public home.
@@ -57,7 +56,7 @@ from ._dtensor import local_tensor as _local_tensor
 from ._dtensor import shard_info as _shard_info  # noqa: F401
 from .nn.functional import dtensor_linear  # noqa: F401
 from .planes import is_zrw_layer
-from .record import module_record, record_of
+from .record import module_record
 from .weights import (  # noqa: F401
     main_grad_owner,
     prepare_local_shards,
@@ -155,9 +154,7 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
                 check_placements(p, qual)
                 sharded = True
                 summary.weights[qual] = str(p.placements[0])
-                rec = record_of(local)
-                rec.prepared = True
-                rec.dtensor = weakref.ref(p)  # main_grad's owner, seen from a view
+                lifecycle.prepared(local, p)  # main_grad's owner, seen from a view
                 if not cache.weight_name(local):
                     cache.set_weight_name(local, qual)
             else:

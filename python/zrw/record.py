@@ -2,7 +2,8 @@
 (docs/design.md §5, "Where a weight's state lives").
 
 The native cache table (csrc/cache/weight_cache.cpp) stores a weight's FP8 bytes and its
-state (none, cached, released, released for good). Everything else zrw knows about the weight
+state (none, cached, released, pending, released for good). Everything else zrw knows about
+the weight
 lives here, in one `WeightRecord` per weight, kept in one registry weak-keyed by the tensor the
 cache works on (the parameter itself, or a DTensor parameter's local shard): a record goes
 when its weight goes. Nothing is stored as an attribute on torch's own tensors, modules or
@@ -66,6 +67,11 @@ class WeightRecord:
               FP8 copy is read back (a frozen weight released for good has no other value)
     main_grad the zrw layers accumulate its gradient in FP32 `main_grad` (cleared by
               `nn.Module.zero_grad` as `.grad` is)
+    last_event the last lifecycle event that touched the weight (zrw.lifecycle), for verify
+              mode's message
+
+    Only the record (this module) and the lifecycle (zrw.lifecycle) write these fields
+    (tests/docs/test_layering.py checks it).
     """
 
     name: str = ""
@@ -82,6 +88,7 @@ class WeightRecord:
     dtensor: Optional["weakref.ref[torch.Tensor]"] = None
     quantized_as: Optional[tuple] = None
     main_grad: bool = False
+    last_event: str = ""
 
     # -- owners and masters ------------------------------------------------------------------
     def live_masters(self) -> List[Tuple[Any, torch.Tensor]]:

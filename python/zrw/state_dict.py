@@ -22,17 +22,13 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from . import cache, ops
+from . import cache, frozen, lifecycle, ops
 from ._dtensor import is_dtensor, local_tensor, wrap_like
-from .record import find_record, record_of
+from .record import find_record
 
 _state = threading.local()
 
-# The frozen-weight mode (frozen_values) lives in zrw.cache, whose write to a frozen weight
-# released for good reads it too (docs/design.md §5); these are the same objects.
-FROZEN_MODES = cache.FROZEN_MODES
-frozen_mode = cache.frozen_mode
-frozen_values = cache.frozen_values
+frozen_mode = frozen.frozen_mode
 # Fresh copies of released weights pickled for a process being spawned, kept for as long as
 # its Popen object lives (see ReleasedWeightsStateDict.__getstate__).
 _spawn_keepalive: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -278,7 +274,7 @@ class ReleasedWeightsStateDict:
                 continue
             local = local_tensor(p)
             if cache.restore_value(local) is not None:
-                record_of(local).hold = True
+                lifecycle.hold_for_write(local)
 
     def apply(self, fn):
         """nn.Module.apply (`model.apply(init_fn)`): `fn` sees this layer's weights with their

@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cache
+from . import cache, lifecycle
 from ._dtensor import check_tensor, engine_view_owner, is_dtensor, wrap_like
 from .config import QuantRecipe, get_recipe
 from .planes import MXPlane, MXPlanesCarrier, MXWeight
-from .record import find_record, record_of
+from .record import find_record
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def accumulate_main_grad(owner: Tensor, grad: Tensor) -> None:
     g = wrap_like(owner, grad)
     if getattr(owner, "main_grad", None) is None:
         _install_zero_grad()
-        record_of(owner).main_grad = True
+        lifecycle.main_grad_started(owner)
         owner.main_grad = g
     else:
         owner.main_grad.add_(g)

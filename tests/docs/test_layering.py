@@ -193,11 +193,21 @@ def _error_labels(tree: ast.AST):
 def test_error_labels_name_the_module_that_defines_the_function():
     """An error label is the module that defines the function (grep the message, find the
     def): a label `zrw.a.b.f` written in a module that defines `f` must be that module's own
-    name. Names exported from the package root (`zrw.convert`) are their own home."""
+    name. Names exported from the package root (`zrw.convert`) are their own home, and so is
+    a public module that re-exports the function from where it is defined (`zrw.optim.attach`,
+    defined in zrw.boundary)."""
     root_names = set()
     for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
         if isinstance(node, ast.ImportFrom):
             root_names |= {a.asname or a.name for a in node.names}
+    reexports = {}  # (public module, name) -> the module it is imported from
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mod = module_name(path, PACKAGE)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                for target in _resolve(mod, path.name == "__init__.py", node):
+                    for a in node.names:
+                        reexports[(mod, a.asname or a.name)] = target
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         mod = module_name(path, PACKAGE)
@@ -208,7 +218,134 @@ def test_error_labels_name_the_module_that_defines_the_function():
                 continue
             if label_mod == "zrw" and fn in root_names:
                 continue
+            if reexports.get((label_mod, fn)) == mod:
+                continue
             wrong.append(
                 f"{path.relative_to(PACKAGE.parent)}:{line}: {label_mod}.{fn} (defined in {mod})"
             )
     assert not wrong, "error labels naming another module:\n" + "\n".join(wrong)
+
+
+# ---- the lifecycle is the only writer of weight state ------------------------------------------
+
+RECORD_WRITERS = {"zrw.record", "zrw.lifecycle"}
+_RECORD_SOURCES = {"record_of", "find_record", "records", "WeightRecord"}
+_MUTATORS = {"add", "discard", "append", "extend", "clear", "pop", "remove", "update", "insert"}
+
+
+def _record_fields() -> set:
+    """The fields of zrw.record.WeightRecord, read from its class body."""
+    tree = ast.parse((PACKAGE / "record.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "WeightRecord":
+            return {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    raise AssertionError("zrw.record.WeightRecord not found")
+
+
+def _is_record_expr(node: ast.AST, names: set) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Call):
+        f = node.func
+        called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        return called in _RECORD_SOURCES
+    return False
+
+
+def record_writes(mod: str, source: str) -> List[str]:
+    """Every write to a weight record's field in `source` (module `mod`): an assignment to
+    `<record>.<field>`, a mutating call on one (`rec.owners.add(...)`), or `rec.set_master(...)`,
+    where <record> is a call of record_of / find_record or a name bound to one."""
+    fields = _record_fields()
+    tree = ast.parse(source)
+    names = set()
+    for node in ast.walk(tree):  # names bound to a record anywhere in the module
+        if isinstance(node, ast.Assign) and _is_record_expr(node.value, set()):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.For) and _is_record_expr(node.iter, set()):
+            names |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and sub.attr in fields
+                    and _is_record_expr(sub.value, names)
+                ):
+                    found.append(f"{mod}:{node.lineno}: assigns record field {sub.attr!r}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "set_master" and _is_record_expr(f.value, names):
+                found.append(f"{mod}:{node.lineno}: calls set_master on a record")
+            elif (
+                f.attr in _MUTATORS
+                and isinstance(f.value, ast.Attribute)
+                and f.value.attr in fields
+                and _is_record_expr(f.value.value, names)
+            ):
+                found.append(f"{mod}:{node.lineno}: mutates record field {f.value.attr!r}")
+    return found
+
+
+def test_only_the_lifecycle_writes_weight_records():
+    """docs/design.md §5: zrw.lifecycle's events are the only writers of a weight's record
+    (and of its native state); every other module reads records and calls the events."""
+    found = []
+    for mod, path in _sources():
+        if mod not in RECORD_WRITERS:
+            found += record_writes(mod, path.read_text())
+    assert not found, "record fields written outside zrw.lifecycle:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(w):\n    record_of(w).hold = True\n",
+        "def f(w):\n    rec = find_record(w)\n    rec.tied = None\n",
+        "def f(w, o):\n    record_of(w).owners.add(o)\n",
+        "def f(w, m):\n    rec = record_of(w)\n    rec.set_master(None, m)\n",
+        "def f():\n    for w, rec in records():\n        rec.digest = None\n",
+    ],
+)
+def test_the_record_check_fails_on_a_planted_write(source):
+    """The check itself: a record-field write planted in zrw.weights is reported."""
+    found = record_writes("zrw.weights", source)
+    assert found and all(f.startswith("zrw.weights:") for f in found), found
+
+
+def test_the_record_check_leaves_reads_and_other_objects_alone():
+    source = (
+        "def f(w, p, g):\n"
+        "    rec = find_record(w)\n"
+        "    x = rec.tied\n"
+        "    p.main_grad = g\n"
+        "    self.masters = []\n"
+    )
+    assert record_writes("zrw.weights", source) == []
+
+
+_NATIVE_WRITES = re.compile(
+    r"torch\.ops\.zrw\.(quant_and_release|restore|restore_weights|restore_all|assign_weights"
+    r"|cache_invalidate|cache_clear|next_step)\b"
+)
+
+
+def test_only_the_lifecycle_changes_native_state():
+    """The native ops that change a weight's state are called from zrw.lifecycle only."""
+    found = [
+        f"{mod}: {m.group(0)}"
+        for mod, path in _sources()
+        if mod not in RECORD_WRITERS and not mod.startswith("zrw.bench")  # (benches time the ops)
+        for m in _NATIVE_WRITES.finditer(path.read_text())
+    ]
+    assert not found, "native state changed outside zrw.lifecycle:\n" + "\n".join(found)

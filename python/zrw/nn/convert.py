@@ -9,11 +9,11 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from .. import cache
+from .. import cache, lifecycle
 from .._dtensor import local_tensor
 from ..config import QuantRecipe, get_recipe, known_recipes
 from ..planes import is_zrw_layer  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
-from ..record import find_record, module_record, record_of
+from ..record import find_record, module_record
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
 
@@ -287,11 +287,11 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
         rec = find_record(local)
         if len(names) > 1:
             tied.append(names[0])
-            record_of(local).tied = tuple(names)
+            lifecycle.tie(local, tuple(names))
             if cache.cache_state(local).released:
                 cache.restore_value(local)
         elif rec is not None and rec.tied:
-            rec.tied = None
+            lifecycle.tie(local, None)
     return tied
 
 
