@@ -32,10 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_user_actions import BF16, Tiny, batch, loss_of, snapshot
 from torch import nn
 
 import zrw
+from helpers.user_actions import BF16, Tiny, batch, loss_of, snapshot
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 

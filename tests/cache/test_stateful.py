@@ -1,7 +1,7 @@
 """A model-based test of the cache lifecycle (docs/design.md §5), as a hypothesis
 RuleBasedStateMachine.
 
-Two copies of the tiny model of tests/cache/test_user_actions.py (embedding and norm outside zrw's
+Two copies of the tiny model of tests/helpers/user_actions.py (embedding and norm outside zrw's
 layers; up, down and head converted) are built from the same seed,
 one converted with release=True and one with release=False, each with its own
 zrw.optim.MasterWeights(torch.optim.AdamW) attached. Hypothesis draws the configuration
@@ -14,10 +14,10 @@ actions, each applied identically to both copies:
                     raise, and the gradients (.grad and main_grad) come back unchanged
   zero_grad         opt.zero_grad(set_to_none=True/False)
   model_zero_grad   model.zero_grad(): clears .grad and main_grad
-  between_action    each action of test_user_actions.BETWEEN (loads, casts, apply, evals,
+  between_action    each action of helpers.user_actions.BETWEEN (loads, casts, apply, evals,
                     zero_grad variants, optimizer state round trip, tie, save/load, deepcopy),
                     with no micro-batch pending
-  inside_action     each action of test_user_actions.INSIDE, between two micro-batches
+  inside_action     each action of helpers.user_actions.INSIDE, between two micro-batches
   freeze            requires_grad_(False/True) of a converted weight, at any time
   data_write        `p.data.add_(d)` or `p.data = p.data.clone() * x` on a converted weight
                     between steps
@@ -57,34 +57,16 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from test_user_actions import BETWEEN, BF16, INSIDE, Tiny, loss_of, snapshot
 
 import zrw
+from helpers.bitwise import assert_bitwise, assert_bitwise_dicts
+from helpers.user_actions import BETWEEN, BF16, INSIDE, Tiny, loss_of, snapshot
 from zrw import cache
 from zrw.optim import MasterWeights, attach
 
 CONVERTED = ("up", "down", "head")
 BETWEEN_NAMES = sorted(n for n in BETWEEN if n != "fault_step")
 INSIDE_NAMES = sorted(INSIDE)
-
-
-def _bits(t):
-    t = t.detach()
-    return t.view(
-        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    )
-
-
-def _same(a, b, what):
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), what
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    assert torch.equal(_bits(a), _bits(b)), f"{what}: values differ"
-
-
-def _same_dict(a, b, what):
-    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
-    for k in a:
-        _same(a[k], b[k], f"{what} {k}")
 
 
 def _flat_masters(sd):
@@ -160,7 +142,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                 raise  # a check of this test inside the action, not the user's exception
             except Exception as e:  # compared between the two worlds
                 after = snapshot(w.model)
-                _same_dict(
+                assert_bitwise_dicts(
                     before,
                     after,
                     f"{what} raised {type(e).__name__}: {e} "
@@ -175,7 +157,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             assert on[1] is off[1], f"{what}: release on raised {on}, release off {off}"
             return None
         if isinstance(on[1], torch.Tensor):
-            _same(on[1], off[1], what)
+            assert_bitwise(on[1], off[1], what)
         else:
             assert on[1] == off[1], f"{what}: release on gave {on[1]!r}, off {off[1]!r}"
         return on[1]
@@ -254,7 +236,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                 raise AssertionError("the injected failure did not reach step()")
             finally:
                 h.remove()
-            _same_dict(grads, w.grads(), "gradients handed back by a failed step")
+            assert_bitwise_dicts(grads, w.grads(), "gradients handed back by a failed step")
 
         self.both("failing step", fail)
 
@@ -276,7 +258,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
         self.both("model.zero_grad()", zero)
 
-    # -- the user actions of test_user_actions ------------------------------------------------
+    # -- the user actions of helpers.user_actions ---------------------------------------------
 
     @precondition(lambda self: self.micro == 0)
     @rule(name=st.sampled_from(BETWEEN_NAMES))
@@ -348,7 +330,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             for i, (a, b) in enumerate(
                 zip(_flat_masters(w.opt.state_dict()), _flat_masters(w.ctx["opt_saved"]))
             ):
-                _same(a, b, f"master {i} after loading the checkpoint ({order})")
+                assert_bitwise(a, b, f"master {i} after loading the checkpoint ({order})")
 
         self.both(f"resume ({order})", load)
 
@@ -366,7 +348,9 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             else:
                 before = snapshot(w.model)
                 w.model.load_state_dict(sd)
-                _same_dict(before, snapshot(w.model), "after loading a keep_vars dict back")
+                assert_bitwise_dicts(
+                    before, snapshot(w.model), "after loading a keep_vars dict back"
+                )
 
         self.both(f"state_dict(keep_vars=True) {'held' if hold else 'loaded back'}", take)
 
@@ -378,7 +362,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         def load(w):
             before = snapshot(w.model)
             w.model.load_state_dict(w.held)
-            _same_dict(before, snapshot(w.model), "after loading a held keep_vars dict")
+            assert_bitwise_dicts(before, snapshot(w.model), "after loading a held keep_vars dict")
 
         self.both("load a held state_dict(keep_vars=True)", load)
 
@@ -388,7 +372,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             twin = copy.deepcopy(w.opt)
             mine, theirs = w.opt.state_dict(), twin.state_dict()
             for i, (a, b) in enumerate(zip(_flat_masters(mine), _flat_masters(theirs))):
-                _same(a, b, f"deepcopy(opt): master {i}")
+                assert_bitwise(a, b, f"deepcopy(opt): master {i}")
 
         self.both("copy.deepcopy(opt)", dup)
 
@@ -401,8 +385,8 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                 for i, (a, b) in enumerate(
                     zip(_flat_masters(mine.state_dict()), _flat_masters(theirs.state_dict()))
                 ):
-                    _same(a, b, f"deepcopy: optimizer {k}, master {i}")
-            _same_dict(snapshot(w.model), snapshot(model), "deepcopy: the model copy")
+                    assert_bitwise(a, b, f"deepcopy: optimizer {k}, master {i}")
+            assert_bitwise_dicts(snapshot(w.model), snapshot(model), "deepcopy: the model copy")
             w.model, w.opts, w.opt = model, opts, opts[0]
             w.held = None
 
@@ -414,7 +398,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
     def release_on_equals_off(self):
         if not self.worlds:
             return
-        _same_dict(
+        assert_bitwise_dicts(
             snapshot(self.worlds[True].model),
             snapshot(self.worlds[False].model),
             "release on vs off: state_dict",
@@ -455,7 +439,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                         got = (served.fwd.data, served.block_scale)
                     name = cache.weight_name(p) or pname
                     for i, (a, b) in enumerate(zip(got, want)):
-                        _same(
+                        assert_bitwise(
                             a,
                             b,
                             f"release={release}: cached FP8 copy of {name} ({state}) "

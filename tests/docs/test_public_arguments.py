@@ -25,11 +25,7 @@ from zrw.nn import MXLinear
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    cache.cache_clear()
-    yield
-    cache.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 class Tiny(nn.Module):
