@@ -269,8 +269,22 @@ def weight_signature(p: Tensor):
     return (p._version, p.dtype, p.device, tuple(p.shape))
 
 
+def _plain(p: Tensor) -> Optional[Tensor]:
+    """The plain tensor holding p's bytes: a wrapper subclass with one inner tensor (FSDP2's
+    PreQuantWeight around a rank's shard) is unwrapped; None where there is no single one."""
+    while hasattr(p, "__tensor_flatten__"):
+        inner, _ = p.__tensor_flatten__()
+        if len(inner) != 1:
+            return None
+        p = getattr(p, inner[0])
+    return p
+
+
 def weight_digest(p: Tensor) -> Optional[int]:
-    if p.device.type != "cpu" or not p.is_contiguous():
+    """A 64-bit digest of p's bytes, or None where it is not taken (not a contiguous CPU
+    tensor). Read-only; p must not be released."""
+    p = _plain(p)
+    if p is None or p.device.type != "cpu" or not p.is_contiguous():
         return None
     return _C.bits_digest(p.data_ptr(), p.numel() * p.element_size())
 
@@ -513,7 +527,10 @@ def write_back(
     try:
         if params:
             raw = torch.empty(len(params), 2, dtype=torch.int64)
-            torch.ops.zrw.assign_weights(params, masters, keep_released, raw)
+            # The plain tensors (FSDP2's PreQuantWeight wraps a rank's shard: its bytes and the
+            # digest are its inner tensor's; such a shard is never in the native table).
+            plain = [q if q is not None else p for p, q in zip(params, map(_plain, params))]
+            torch.ops.zrw.assign_weights(plain, masters, keep_released, raw)
             digests = [d & _U64 if taken else None for taken, d in raw.tolist()]
     finally:
         written(params, masters, digests)

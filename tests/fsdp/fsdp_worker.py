@@ -70,8 +70,11 @@ def run_fsdp(args):
     for sub in [model.fc1, model.fc2] + ([model.experts] if args.moe else []):
         fully_shard(sub, mesh=mesh, mp_policy=mp, reshard_after_forward=rafw)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=rafw)
-    opt = optimizer_cls(args)(model.parameters(), lr=args.lr)
-    zrw.optim.attach(opt, fill="dequant")  # boundary: clears the shard cache, next_step
+    if args.master:  # FP32 masters of the sharded parameters (zrw.optim.MasterWeights)
+        opt = worker.master_weights(model.parameters(), args.lr, optimizer_cls(args))
+    else:
+        opt = optimizer_cls(args)(model.parameters(), lr=args.lr)
+        zrw.optim.attach(opt, fill="dequant")  # boundary: clears the shard cache, next_step
     data = batches(args)
     # The planes each zrw layer receives from the first gather, to compare byte for byte with
     # the single-process quantization of the full weight.
@@ -154,6 +157,7 @@ def parser():
     ap.add_argument("--no-reshard", action="store_true")
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--opt", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--master", action="store_true", help="step with zrw.optim.MasterWeights")
     return ap
 
 

@@ -37,6 +37,7 @@ RUNS.update(
         "ref": "--recipe mxfp8 --mode zrw",
         "ckpt": "--recipe mxfp8 --mode zrw --checkpoint --both-planes",
         "keep": "--recipe mxfp8 --mode zrw --no-reshard --both-planes",
+        "master": "--recipe mxfp8 --mode zrw --master",
     }
 )
 for _moe in ("", "_moe"):  # fc1 has 48 rows: 24 per rank, not whole 32-row blocks
@@ -102,6 +103,16 @@ def test_activation_checkpointing_and_no_reshard_need_both_planes(runs, tmp_path
     procs, logs = ranks.launch(WORKER, tmp_path, "--mode", "zrw", "--checkpoint", expect_ok=False)
     assert any(p.returncode != 0 for p in procs)
     assert any("both_planes=True" in log for log in logs), logs[0][-3000:]
+
+
+def test_master_weights_steps_the_shards_as_the_plain_optimizer(runs):
+    """zrw.optim.MasterWeights over FSDP2's sharded parameters (each a PreQuantWeight around the
+    rank's shard): its write-back and write check read the shard's own bytes, and with FP32
+    shards it steps them exactly as the plain AdamW does."""
+    ref, master = runs["ref"], runs["master"]
+    assert master["losses"] == ref["losses"]
+    for name, w in ref["weights"].items():
+        assert torch.equal(master["weights"][name], w), name
 
 
 @pytest.mark.parametrize("moe", [False, True])
