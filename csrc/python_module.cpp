@@ -88,6 +88,7 @@ PyObject* name_tuple(const char* const (&names)[N]) {
 PyObject* scale_modes(PyObject*, PyObject*) { return name_tuple(zrw::names::kScaleModes); }
 PyObject* fill_names(PyObject*, PyObject*) { return name_tuple(zrw::names::kFills); }
 PyObject* cache_recipes(PyObject*, PyObject*) { return name_tuple(zrw::names::kCacheRecipes); }
+PyObject* state_names(PyObject*, PyObject*) { return name_tuple(zrw::names::kStates); }
 
 PyObject* memory_install(PyObject*, PyObject*) {
   zrw::memory::install();
@@ -148,6 +149,8 @@ PyMethodDef zrw_methods[] = {
     {"scale_modes", scale_modes, METH_NOARGS, "The MX scale rules the ops accept."},
     {"fill_names", fill_names, METH_NOARGS, "The fills a restore of a released weight accepts."},
     {"cache_recipes", cache_recipes, METH_NOARGS, "The native cache's weight layouts."},
+    {"state_names", state_names, METH_NOARGS,
+     "The native cache's weight states, indexed by the code cache_state returns."},
     {"memory_install", memory_install, METH_NOARGS,
      "Install the counting CPU allocator (once; before the tensors to be measured exist)."},
     {"memory_installed", memory_installed, METH_NOARGS,

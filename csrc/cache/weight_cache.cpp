@@ -35,6 +35,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -74,6 +75,17 @@ Fill parse_fill(const char* op, const std::string& f) {
                     f, "\"");
 }
 
+// A weight's state (docs/design.md §5, "The states"): names::kStates, in order; cache_state
+// returns its index. An entry is never None: a weight without an entry is None.
+enum class State { None, Cached, Released, ReleasedForGood, Pending };
+static_assert(static_cast<size_t>(State::Pending) + 1 == std::size(names::kStates),
+              "State must list names::kStates, in order");
+
+// Whether the weight's storage is freed: RELEASED, RELEASED_FOR_GOOD or PENDING.
+constexpr bool is_released(State s) {
+  return s == State::Released || s == State::ReleasedForGood || s == State::Pending;
+}
+
 // Why a weight was not released; each reason has its own counter in cache_stats().
 constexpr const char* kReleased = "released";
 constexpr const char* kSkipReleaseFalse = "release_false";
@@ -96,7 +108,7 @@ struct Entry {
   std::string scale_mode;
   // mxfp8: {data_fwd, scale_fwd, data_bwd, scale_bwd};
   // mxfp8-32x32: {data, scale_fwd, data, scale_bwd, block_scale} (one data tensor, twice).
-  // Empty for a released weight that waits for its next quantization from `master`.
+  // Empty while PENDING.
   std::vector<at::Tensor> tensors;
   // The BF16-free optimizer step (assign_weights with keep_released): the FP32 master whose
   // rounding to `dtype` is the released weight's value. Its next first use quantizes straight
@@ -111,8 +123,11 @@ struct Entry {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes, strides;
   const char* status = kReleased;  // kReleased or a skip reason
-  bool released = false;
-  bool frozen = false;  // released with release_frozen: FP8 only for good, survives step ends
+  // CACHED: the storage is kept. RELEASED: freed until the boundary, `tensors` is its FP8 copy.
+  // RELEASED_FOR_GOOD: a frozen weight released with release_frozen, FP8 only, survives step
+  // ends. PENDING: released after a keep_released write-back, `tensors` empty; its next use
+  // quantizes from `master` (-> RELEASED).
+  State state = State::Cached;
   uint32_t version = 0;
   int64_t step = 0;
   int64_t hits = 0;
@@ -232,14 +247,16 @@ class WeightCache {
       // training recompute of this step, but never another no_grad call: eval never reaches a
       // step boundary, and a write through `.data` bumps no version, so each eval pass
       // quantizes the current values.
-      const bool replaced = e.released && !layout_mismatch(w, e).empty();
-      if (e.released && !replaced && e.tensors.empty()) {
+      const bool released = is_released(e.state);
+      const bool replaced = released && !layout_mismatch(w, e).empty();
+      if (e.state == State::Pending && !replaced) {
         // Released with its master after the optimizer step: quantize from the master, in the
         // requested recipe; the weight stays released (no BF16 bytes are allocated).
         TORCH_CHECK(e.master.defined(), op, ": weight '", e.name,
                     "' is released without an "
                     "FP8 copy or a master (internal error)");
         e.tensors = quantize_from_master(e.master, e.dtype, recipe, elem_dtype, scale_mode);
+        e.state = State::Released;
         e.recipe = recipe;
         e.elem_dtype = elem_dtype;
         e.scale_mode = scale_mode;
@@ -248,15 +265,15 @@ class WeightCache {
         ++misses_;
         return e.tensors;
       }
-      const bool eval_copy = !e.released && e.status == kSkipNoGrad;
+      const bool eval_copy = e.state == State::Cached && e.status == kSkipNoGrad;
       // An unreleased weight is readable, so it may have been written through `.data` (which
       // bumps no version: PEFT's merge_and_unload, a hand-written update) since its copy was
       // made: a no_grad call (an eval, generate) never reads such a copy, it quantizes the
       // current values; only the training uses of the step share it.
-      const bool fresh = e.released ? !replaced
-                                    : e.step == step_ &&
-                                          e.version == key->version_counter().current_version() &&
-                                          c10::GradMode::is_enabled();
+      const bool fresh = released ? !replaced
+                                  : e.step == step_ &&
+                                        e.version == key->version_counter().current_version() &&
+                                        c10::GradMode::is_enabled();
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
@@ -269,7 +286,7 @@ class WeightCache {
         }
         return e.tensors;
       }
-      TORCH_CHECK(!e.released || replaced || same_recipe, op, ": weight '", e.name,
+      TORCH_CHECK(!released || replaced || same_recipe, op, ": weight '", e.name,
                   "' is released with recipe ", recipe_name(e.recipe), ", element dtype ",
                   e.elem_dtype, " and scale mode \"", e.scale_mode, "\" but was asked for \"",
                   recipe_str, "\", ", elem_dtype, ", \"", scale_mode,
@@ -294,6 +311,7 @@ class WeightCache {
     if (e.status == kReleased) {
       release_storage_locked(w, e, trainable);
     } else {
+      e.state = State::Cached;
       ++skips_[e.status];
       if (!trainable) {
         // A frozen weight that keeps its storage is quantized at each use and never filed: no
@@ -313,9 +331,9 @@ class WeightCache {
                                                 const std::string& scale_mode) {
     const bool same_recipe = e != nullptr && e->recipe == recipe && e->elem_dtype == elem_dtype &&
                              e->scale_mode == scale_mode;
-    if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
-      if (!e->tensors.empty() && same_recipe) return e->tensors;
-      if (!e->tensors.empty()) {
+    if (e != nullptr && is_released(e->state) && layout_mismatch(w, *e).empty()) {
+      if (e->state != State::Pending && same_recipe) return e->tensors;
+      if (e->state != State::Pending) {
         TORCH_CHECK(false, "zrw.quant_and_release: weight '", e->name,
                     "' is released with "
                     "recipe ",
@@ -327,7 +345,7 @@ class WeightCache {
                   "' is released without an FP8 copy or a master (internal error)");
       return quantize_from_master(e->master, e->dtype, recipe, elem_dtype, scale_mode);
     }
-    if (e != nullptr && !e->released && same_recipe && e->step == step_ &&
+    if (e != nullptr && e->state == State::Cached && same_recipe && e->step == step_ &&
         e->version == w.unsafeGetTensorImpl()->version_counter().current_version() &&
         e->status != kSkipNoGrad) {
       return e->tensors;
@@ -347,7 +365,7 @@ class WeightCache {
                       ") was never released: it has no cache entry, so there is "
                       "nothing to restore");
     Entry& e = it->second;
-    TORCH_CHECK_VALUE(e.released, op, ": weight '", e.name,
+    TORCH_CHECK_VALUE(is_released(e.state), op, ": weight '", e.name,
                       "' is not released (it is cached, "
                       "and kept its storage: ",
                       e.status, "), so there is nothing to restore");
@@ -371,9 +389,9 @@ class WeightCache {
     int64_t n = 0;
     for (size_t i = 0; i < ws.size(); ++i) {
       auto it = table_.find(ws[i].unsafeGetTensorImpl());
-      if (it == table_.end() || it->second.frozen) continue;
+      if (it == table_.end() || it->second.state == State::ReleasedForGood) continue;
       Entry& e = it->second;
-      if (!e.released) {
+      if (!is_released(e.state)) {
         table_.erase(it);
         continue;
       }
@@ -427,7 +445,7 @@ class WeightCache {
       const at::Tensor& w = ws[i];
       auto it = table_.find(w.unsafeGetTensorImpl());
       Entry* e = it == table_.end() ? nullptr : &it->second;
-      if (e != nullptr && e->frozen) continue;
+      if (e != nullptr && e->state == State::ReleasedForGood) continue;
       const std::string name = e != nullptr ? e->name : "<weight " + std::to_string(i) + ">";
       bool restored = false;
       const bool ok = failures.attempt(name, [&] {
@@ -435,7 +453,7 @@ class WeightCache {
                           " must have the "
                           "weight's shape ",
                           w.sizes(), ", got ", srcs[i].sizes());
-        if (e != nullptr && e->released && layout_mismatch(w, *e).empty()) {
+        if (e != nullptr && is_released(e->state) && layout_mismatch(w, *e).empty()) {
           if (keep_released) {
             TORCH_CHECK_VALUE(srcs[i].scalar_type() == at::kFloat, op, ": source ", i,
                               " of released weight '", e->name,
@@ -464,6 +482,7 @@ class WeightCache {
         if (keep_released && restored) {
           e->tensors.clear();  // the master is the copy now: no FP8 bytes through the step
           e->master = srcs[i];
+          e->state = State::Pending;
         } else if (e != nullptr) {
           table_.erase(it);
         }
@@ -488,7 +507,7 @@ class WeightCache {
   std::optional<at::Tensor> master(const at::Tensor& w) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = table_.find(w.unsafeGetTensorImpl());
-    if (it == table_.end() || !it->second.released || !it->second.master.defined()) {
+    if (it == table_.end() || !is_released(it->second.state) || !it->second.master.defined()) {
       return std::nullopt;
     }
     return it->second.master;
@@ -510,12 +529,12 @@ class WeightCache {
     int64_t n = 0;
     for (auto it = table_.begin(); it != table_.end();) {
       Entry& e = it->second;
-      if (e.frozen || skipped.count(it->first)) {
+      if (e.state == State::ReleasedForGood || skipped.count(it->first)) {
         ++it;
         continue;
       }
       bool drop = true;
-      if (e.released) {
+      if (is_released(e.state)) {
         auto strong = e.weight.lock();
         if (strong) {
           const at::Tensor w(std::move(strong));
@@ -545,7 +564,8 @@ class WeightCache {
     auto it = table_.find(w.unsafeGetTensorImpl());
     if (it == table_.end()) return false;
     Entry& e = it->second;
-    if (e.released && w.has_storage() && w.storage().unsafeGetStorageImpl() == e.storage.get()) {
+    if (is_released(e.state) && w.has_storage() &&
+        w.storage().unsafeGetStorageImpl() == e.storage.get()) {
       fill_and_install_locked(op, e, fill, std::nullopt);  // the recorded layout, not w's view
     }
     table_.erase(it);
@@ -564,7 +584,7 @@ class WeightCache {
       Entry& e = it->second;
       bool drop = true;
       c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> strong;
-      if (e.released) strong = e.weight.lock();
+      if (is_released(e.state)) strong = e.weight.lock();
       if (strong && strong->has_storage() &&
           strong->storage().unsafeGetStorageImpl() == e.storage.get()) {
         drop =
@@ -588,12 +608,12 @@ class WeightCache {
     int64_t fp8 = 0, released_bytes = 0, released = 0, frozen = 0, pending = 0;
     for (const auto& [key, e] : table_) {
       fp8 += fp8_bytes(e);
-      if (e.released) {
+      if (is_released(e.state)) {
         ++released;
         released_bytes += e.storage_nbytes;
-        pending += e.tensors.empty();
       }
-      frozen += e.frozen;
+      pending += e.state == State::Pending;
+      frozen += e.state == State::ReleasedForGood;
     }
     std::vector<std::string> names = {"entries", "fp8_bytes", "released", "released_bytes",
                                       "frozen",  "pending",   "restored", "restored_bytes",
@@ -635,7 +655,7 @@ class WeightCache {
     return {names, status, hits, misses, nbytes};
   }
 
-  // 0: never seen, 1: cached, 2: cached and released, 3: released for good (frozen).
+  // The index of w's state in names::kStates.
   int64_t state(const at::Tensor& w) {
     std::lock_guard<std::mutex> lock(mu_);
     return state_locked(w);
@@ -656,9 +676,7 @@ class WeightCache {
 
   int64_t state_locked(const at::Tensor& w) const {
     auto it = table_.find(w.unsafeGetTensorImpl());
-    if (it == table_.end()) return 0;
-    if (!it->second.released) return 1;
-    return it->second.frozen ? 3 : 2;
+    return static_cast<int64_t>(it == table_.end() ? State::None : it->second.state);
   }
 
   // Drops entries whose weight died (the weak reference expired); their FP8 tensors go too.
@@ -759,14 +777,13 @@ class WeightCache {
     e.dtype = w.scalar_type();
     e.sizes = w.sizes().vec();
     e.strides = w.strides().vec();
-    e.released = true;
-    e.frozen = !trainable;
+    e.state = trainable ? State::Released : State::ReleasedForGood;
     s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));  // frees the bytes
     // nbytes keeps the logical size on purpose: with 0, creating any view of the weight (print,
     // F.linear's transpose) fails on a storage-size check before the data pointer is touched,
     // with a message that says nothing about zrw. The bytes are gone all the same: zrw.memory
     // and cache_stats()["released_bytes"] account for them.
-    if (e.frozen) {
+    if (e.state == State::ReleasedForGood) {
       s->release_data_and_set_meta_custom_data_ptr_error_msg_(
           "zrw: the BF16 storage of weight '" + e.name +
           "' is released (zero-redundancy "
