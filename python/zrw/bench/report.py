@@ -127,63 +127,51 @@ def stamp_line(st: dict | None, isas: list[str] | None = None) -> str:
 
 
 def render_quant(runs: dict) -> str:
-    """`quant`: every build's time over a copy on 1 thread and on all, then its other figures."""
+    """`quant`: one row per build, each kernel's time over a copy on 1 thread / all threads, then
+    torchao's and mx_matmul's figures."""
     done = {isa: r for isa, r in runs.items() if "skipped" not in r}
     if not done:
         raise ValueError("quant: every kernel build was skipped")
     first = next(iter(done.values()))
     multi = len(runs) > 1 or "bench" not in first
-    header = ["build", "threads"] + [
+    mm = first["matmul_shape"][0]
+    header = ["build"]
+    header += [
         name if limit is None else f"{name} (≤ {limit:g})" for name, limit in QUANT_KERNELS.values()
+    ]
+    header += [
+        "torchao `to_mx` / zrw (dual)",
+        f"`mx_matmul` {mm}³ / bf16 matmul",
+        "on the FP32 GEMM / fp32 matmul",
     ]
     rows = []
     for isa, r in done.items():
-        for nt in sorted(r["bandwidth"], key=int):
-            bw = r["bandwidth"][nt]
-            row = [isa, nt]
-            for key, (_, limit) in QUANT_KERNELS.items():
-                x = bw[key]["x_copy_time"]
+        counts = sorted(r["bandwidth"], key=int)
+        row = [isa]
+        for key, (_, limit) in QUANT_KERNELS.items():
+            cells = []
+            for nt in counts:
+                x = r["bandwidth"][nt][key]["x_copy_time"]
                 missed = limit is not None and nt == str(r["threads"]) and x > limit
-                row.append(f"**{x:.2f}**" if missed else f"{x:.2f}")
-            rows.append(row)
-    more = []
-    for isa, r in done.items():
-        ms, sp, bw = r["ms"], r["speedup_vs_torchao"], r["bandwidth"]
-        copy = " / ".join(f"{bw[nt]['copy']['gb_per_s']:.1f}" for nt in sorted(bw, key=int))
-        ao = "–" if sp["dual"] is None else f"{sp['dual']:.0f}x / {sp['single_dim_-1']:.0f}x"
-        fresh = ms.get("dual_fresh_output_pages")
-        more.append(
-            [
-                isa,
-                copy,
-                ao,
-                f"{r['mx_matmul_over_bf16_matmul']:.2f} ({'/'.join(r['mx_matmul_gemm_ran'])})",
-                _f(r.get("mx_matmul_fp32_gemm_over_fp32_matmul")),
-                "–" if fresh is None else f"{fresh / ms['copy']:.2f}",
-            ]
-        )
+                cells.append(f"**{x:.2f}**" if missed else f"{x:.2f}")
+            row.append(" / ".join(cells))
+        sp = r["speedup_vs_torchao"]["dual"]
+        row += [
+            "–" if sp is None else f"{sp:.0f}x",
+            f"{r['mx_matmul_over_bf16_matmul']:.2f} ({'/'.join(r['mx_matmul_gemm_ran'])})",
+            _f(r.get("mx_matmul_fp32_gemm_over_fp32_matmul")),
+        ]
+        rows.append(row)
     n, k = first["shape"]
-    mm = first["matmul_shape"][0]
+    threads = " / ".join(sorted(first["bandwidth"], key=int))
     return "\n".join(
         [
             stamp_line(first.get("stamp"), list(runs) if multi else None),
             "",
             f"Time over a `copy_` of the same {n}x{k} tensor (bf16; FP32 for the master "
-            f"columns), in the same rounds; bold: over its target (all threads).",
+            f"columns) in the same rounds, on {threads} threads; bold: over its target.",
             "",
             md_table(header, rows),
-            "",
-            md_table(
-                [
-                    "build",
-                    "bf16 copy GB/s (1 / all threads)",
-                    "faster than torchao `to_mx` (dual / one axis)",
-                    f"mx_matmul {mm}³ / bf16 matmul (GEMM run)",
-                    "on the FP32 GEMM / fp32 matmul",
-                    "dual, fresh output pages (x copy)",
-                ],
-                more,
-            ),
         ]
     )
 
