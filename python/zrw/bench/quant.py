@@ -273,7 +273,7 @@ ZRW_KERNELS = (
     "single_dim_-1_from_master",
 )
 
-# The issue's targets: kernel -> the largest time over the copy on all threads.
+# The kernels' speed targets: kernel -> the largest time over the copy on all threads.
 TARGETS = {
     "single_dim_-1": 1.0,
     "single_dim_0": 1.0,
