@@ -207,6 +207,23 @@ def disown(ws: Sequence[Tensor], optimizer) -> None:
             _touch(rec, "disown")
 
 
+def leave(ws: Sequence[Tensor], masters: Sequence[Tensor], optimizer) -> None:
+    """`optimizer` stops stepping these weights (removed from its param groups): a released
+    one whose value is its master here is restored exactly from it first (RELEASED/PENDING ->
+    NONE), then the optimizer's master and ownership go."""
+    for w, m in zip(ws, masters):
+        rec = find_record(w)
+        if rec is None:
+            continue
+        if state(w) in (CacheState.RELEASED, CacheState.PENDING) and rec.master() is m:
+            torch.ops.zrw.restore(w, "master", m)
+        rec.owners.discard(optimizer)
+        rec.masters = [(o, r) for o, r in rec.masters if o is None or o() is not optimizer]
+        if rec.current is not None and rec.current() is m:
+            rec.current = None
+        _touch(rec, "leave")
+
+
 def add_master(w: Tensor, master: Tensor, optimizer=None) -> None:
     """`optimizer` keeps `master` as w's FP32 master (one per optimizer)."""
     rec = record_of(w)
@@ -500,7 +517,7 @@ def drop_before_step(params: List[Tensor], masters: List[Tensor], keep_released:
     for p, m, st in zip(params, masters, states(params)):
         if st is CacheState.CACHED:
             torch.ops.zrw.cache_invalidate(p, "dequant")
-        elif st is CacheState.RELEASED and keep_released:
+        elif st in (CacheState.RELEASED, CacheState.PENDING) and keep_released:
             released_p.append(p)
             released_m.append(m)
     if released_p:

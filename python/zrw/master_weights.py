@@ -22,129 +22,16 @@ import torch
 from . import cache, lifecycle
 from ._dtensor import local_tensor, wrap_like
 from .boundary import attach
+from .master_groups import (
+    ParamState,
+    as_group_list,
+    hyper,
+    refuse_duplicates,
+    refuse_inner,
+    resync,
+)
 from .record import find_optimizer_record, find_record
 from .state_dict import keep_for_spawn, released_value
-
-
-def _as_group_list(params: Any) -> List[Dict[str, Any]]:
-    """`params` as torch.optim.Optimizer accepts them, as a list of group dicts."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "MasterWeights: params must be an iterable of tensors or of param-group "
-            f"dicts, got a single {type(params).__name__}"
-        )
-    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
-        raise TypeError(
-            "MasterWeights: params must be an iterable of tensors or of param-group "
-            f"dicts (e.g. model.parameters()), got {type(params).__name__}"
-        )
-    groups = list(params)
-    if not groups:
-        raise ValueError("MasterWeights: got an empty parameter list")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    out = []
-    for gi, g in enumerate(groups):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(
-                f"MasterWeights: param group {gi} must be a dict with 'params' (as "
-                f"group 0 is), got {type(g).__name__}"
-                + (f" with keys {sorted(map(str, g))}" if isinstance(g, dict) else "")
-            )
-        g = dict(g)
-        ps = g["params"]
-        if not isinstance(ps, torch.Tensor) and (
-            isinstance(ps, (str, bytes, dict)) or not isinstance(ps, Iterable)
-        ):
-            raise TypeError(
-                f"MasterWeights: param group {gi}'s 'params' must be a tensor or an "
-                f"iterable of tensors, got {type(ps).__name__}"
-            )
-        g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        for pi, p in enumerate(g["params"]):
-            if not isinstance(p, torch.Tensor):
-                where = (
-                    f"params[{pi}]" if len(groups) == 1 else f"param_groups[{gi}]['params'][{pi}]"
-                )
-                raise TypeError(f"MasterWeights: {where} must be a tensor, got {type(p).__name__}")
-        out.append(g)
-    _refuse_duplicates(out)
-    return out
-
-
-def _refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, str]] = None) -> None:
-    """A parameter listed twice would get two FP32 masters, and the one written back last
-    would win: refused (torch warns within a group and refuses across groups)."""
-    seen = {} if seen is None else dict(seen)
-    for gi, g in enumerate(groups):
-        for pi, p in enumerate(g["params"]):
-            where = f"param_groups[{gi}]['params'][{pi}]"
-            if id(p) in seen:
-                raise ValueError(
-                    f"MasterWeights: {where} (shape {tuple(p.shape)}) is the same parameter as "
-                    f"{seen[id(p)]}: each parameter must be listed once (one FP32 master per "
-                    "parameter); pass model.parameters() or de-duplicate the list"
-                )
-            seen[id(p)] = where
-
-
-def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _device_kinds(kind: str) -> Optional[List[str]]:
-    """The device types on which torch's optimizers run with capturable=True / fused=True
-    (torch's own lists; None where this torch has none to ask)."""
-    try:
-        if kind == "capturable":
-            from torch.optim.optimizer import _get_capturable_supported_devices
-
-            return list(_get_capturable_supported_devices())
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        return list(_get_fused_kernels_supported_devices())
-    except ImportError:  # pragma: no cover - a torch without the private helpers
-        return None
-
-
-def _refuse_inner(inner: torch.optim.Optimizer, start: int = 0) -> None:
-    """The inner optimizers whose step cannot compose with FP32 masters on their device are
-    refused here, at construction (or add_param_group), by name: their own step would fail at
-    the first step, or do something else than asked, silently (docs/design.md §5).
-
-    - torchao's low-bit AdamW with bf16_stochastic_round=True: it rounds BF16 *parameters*
-      stochastically; the inner optimizer here steps FP32 masters, where torchao skips it, and
-      the write-back rounds each master to the nearest BF16 (the release-off run's bits). The
-      flag would be a silent no-op.
-    - capturable=True / fused=True on a device torch has no such kernel for (capturable is
-      CUDA/XPU/HPU/XLA only: on CPU torch's step asserts at the first step)."""
-    name = f"{type(inner).__module__}.{type(inner).__qualname__}"
-    if getattr(inner, "bf16_stochastic_round", False) is True:
-        raise ValueError(
-            f"MasterWeights: {name}(bf16_stochastic_round=True) rounds BF16 parameters "
-            "stochastically, but here it steps the FP32 masters (where torchao skips the "
-            "rounding) and each BF16 weight is the round-to-nearest of its master: the flag "
-            "would do nothing. Pass bf16_stochastic_round=False (the masters keep the "
-            "precision the rounding was meant to recover)"
-        )
-    for gi in range(start, len(inner.param_groups)):
-        group = inner.param_groups[gi]
-        devices = sorted({m.device.type for m in group["params"]})
-        for kind in ("capturable", "fused"):
-            if group.get(kind) is not True:
-                continue
-            supported = _device_kinds(kind)
-            bad = [d for d in devices if supported is not None and d not in supported]
-            if bad:
-                cpu_hint = (
-                    " (fused=True runs on CPU)" if kind == "capturable" and bad == ["cpu"] else ""
-                )
-                raise ValueError(
-                    f"MasterWeights: {name}({kind}=True) in param group {gi} needs its "
-                    f"parameters on {supported}, but the FP32 masters are on {bad} (their "
-                    f"parameters' device): torch's step would fail at the first step. Pass "
-                    f"{kind}=False{cpu_hint}"
-                )
 
 
 class MasterWeights(torch.optim.Optimizer):
@@ -225,7 +112,7 @@ class MasterWeights(torch.optim.Optimizer):
             raise TypeError(
                 f"MasterWeights: keep_released must be a bool, got {type(keep_released).__name__}"
             )
-        groups = _as_group_list(params)
+        groups = as_group_list(params)
         self.optimizer_cls = optimizer_cls
         self.keep_released = keep_released
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -238,19 +125,21 @@ class MasterWeights(torch.optim.Optimizer):
         inner_groups = []
         for g in groups:
             masters = self._make_masters(g["params"])
-            inner_groups.append({**_hyper(g), "params": masters})
+            inner_groups.append({**hyper(g), "params": masters})
         self.inner = optimizer_cls(inner_groups, **kwargs)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise TypeError(
                 f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
                 f"torch.optim.Optimizer, got {type(self.inner).__name__}"
             )
-        _refuse_inner(self.inner)
+        refuse_inner(self.inner)
         # The outer groups take the inner optimizer's defaults (lr, betas, ...), so that what a
         # scheduler reads and writes is there; their params are the model's.
         super().__init__(groups, dict(self.inner.defaults))
         for masters in (ig["params"] for ig in self.inner.param_groups):
             self.masters.append(masters)
+        self._paired = [list(g["params"]) for g in self.param_groups]  # what each master is of
+        self.state = ParamState(self)
         self._pull_hyperparameters()
         self._register_masters()
         self._record_written()
@@ -298,7 +187,7 @@ class MasterWeights(torch.optim.Optimizer):
     def _pull_hyperparameters(self) -> None:
         """inner -> outer: the hyper-parameters the inner optimizer filled in."""
         for og, ig in zip(self.param_groups, self.inner.param_groups):
-            for k, v in _hyper(ig).items():
+            for k, v in hyper(ig).items():
                 og[k] = v
 
     def _push_hyperparameters(self) -> None:
@@ -307,7 +196,7 @@ class MasterWeights(torch.optim.Optimizer):
         as one, and refuses a number there) gets a number written into its tensor; the outer
         group holds that same tensor again (schedulers fill it in place)."""
         for og, ig in zip(self.param_groups, self.inner.param_groups):
-            for k, v in _hyper(og).items():
+            for k, v in hyper(og).items():
                 cur = ig.get(k)
                 if (
                     isinstance(cur, torch.Tensor)
@@ -327,24 +216,25 @@ class MasterWeights(torch.optim.Optimizer):
             ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
             param_group = {**param_group, "params": ps}
             # Within the group (torch refuses a parameter of another group itself).
-            _refuse_duplicates([param_group])
+            refuse_duplicates([param_group])
         super().add_param_group(param_group)  # validates, fills the defaults
         if not self._ready:
             return  # __init__: the inner optimizer already has this group
         group = self.param_groups[-1]
         try:
             masters = self._make_masters(group["params"])
-            self.inner.add_param_group({**_hyper(group), "params": masters})
+            self.inner.add_param_group({**hyper(group), "params": masters})
         except Exception:
             self.param_groups.pop()
             raise
         try:
-            _refuse_inner(self.inner, len(self.inner.param_groups) - 1)
+            refuse_inner(self.inner, len(self.inner.param_groups) - 1)
         except Exception:
             self.inner.param_groups.pop()
             self.param_groups.pop()
             raise
         self.masters.append(self.inner.param_groups[-1]["params"])
+        self._paired.append(list(group["params"]))
         self._pull_hyperparameters()
         self._register_masters(len(self.param_groups) - 1)
         self._record_written()
@@ -491,6 +381,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
+        resync(self)  # masters follow the param groups by identity (zrw.master_groups)
         self._push_hyperparameters()
         self._sync_masters()
         self._drop_stale_copies()
@@ -567,6 +458,7 @@ class MasterWeights(torch.optim.Optimizer):
         optimizers run them (a post hook may return a replacement dict)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        resync(self)
         self._push_hyperparameters()
         self._sync_masters()  # a model loaded since the last step: its values are the masters
         state_dict = {
@@ -588,10 +480,21 @@ class MasterWeights(torch.optim.Optimizer):
     # fresh Parameter holding its exact value (bf16 of its master), the same one the model's
     # layers give it when both are deep-copied together.
 
-    def __getstate__(self) -> Dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+    def _copied_state(self) -> Dict[str, Any]:
+        """What a copy is made of: the pairing and the state view are rebuilt by the copy."""
+        resync(self)
+        skip = ("state", "_paired")
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if not k.startswith("_optimizer_") and k not in skip
+        }
         rec = find_optimizer_record(self)
         state["_boundary"] = None if rec is None or rec.hooks is None else (rec.fill,)
+        return state
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self._copied_state()
         popen = multiprocessing.context.get_spawning_popen()
         groups = []
         for g in self.param_groups:
@@ -613,12 +516,10 @@ class MasterWeights(torch.optim.Optimizer):
                     if fresh is not None:
                         memo[id(p)] = fresh
                         memo.setdefault(id(memo), []).append(p)
+        state = self._copied_state()
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
-        rec = find_optimizer_record(self)
-        state["_boundary"] = None if rec is None or rec.hooks is None else (rec.fill,)
         new.__setstate__(copy.deepcopy(state, memo))
         return new
 
@@ -628,6 +529,8 @@ class MasterWeights(torch.optim.Optimizer):
         super().__setstate__(state)
         if "inner" not in state:
             return  # (a torch-style state without the masters: nothing of zrw's to set up)
+        self._paired = [list(g["params"]) for g in self.param_groups]
+        self.state = ParamState(self)
         self._register_masters()
         # The copied parameters hold what the originals held, which may include a write their
         # masters have not taken yet: the copy's first check compares them exactly.
@@ -656,6 +559,7 @@ class MasterWeights(torch.optim.Optimizer):
                     else type(state_dict).__name__
                 )
             )
+        resync(self)
         saved, inner_sd = state_dict["masters"], state_dict["inner"]
         ours = [len(ms) for ms in self.masters]
         if [len(ms) for ms in saved] != ours:

@@ -61,7 +61,7 @@ assert cache.cache_state(w) == "none" and torch.equal(w.to_local(), full.bfloat1
 cache.quant_and_release(w, recipe)
 src = dtensor(full * 2, requires_grad=False)
 assert cache.assign_weights([w], [src], keep_released=True) == 1
-assert cache.cache_state(w) == "released" and cache.cache_master(w) is src._local_tensor
+assert cache.cache_state(w) == "pending" and cache.cache_master(w) is src._local_tensor
 assert cache.cache_invalidate(w, "dequant") and cache.cache_state(w) == "none"
 assert torch.equal(w.to_local(), (full * 2).bfloat16())
 
