@@ -167,7 +167,6 @@ def render_quant(runs: dict) -> str:
     return "\n".join(
         [
             stamp_line(first.get("stamp"), list(runs) if multi else None),
-            "",
             f"Time over a `copy_` of the same {n}x{k} tensor (bf16; FP32 for the master "
             f"columns) in the same rounds, on {threads} threads; bold: over its target.",
             "",
@@ -278,7 +277,6 @@ def render_fsdp(r: dict) -> str:
     return "\n".join(
         [
             stamp_line(r.get("stamp")),
-            "",
             f"{r['world']} ranks ({r['backend']}), {r['layers']} x MXLinear {d}x{d}, "
             f"{r['micro_batches']} micro-batches of {r['tokens_per_rank']} tokens per rank; "
             "times: the best step after the first, the slower rank's.",
