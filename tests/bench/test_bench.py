@@ -153,20 +153,8 @@ def test_bench_cache_json():
 def test_bench_quant_every_kernel_build_in_its_own_process():
     from helpers.quant import ISA_REQUIREMENTS, cpu_flags
 
-    r = run_bench(
-        "quant",
-        "--n",
-        "64",
-        "--k",
-        "96",
-        "--mm",
-        "32",
-        "--repeat",
-        "1",
-        "--isa",
-        "all",
-        timeout=600,
-    )
+    tiny = ["quant", "--n", "64", "--k", "96", "--mm", "32", "--repeat", "1"]
+    r = run_bench(*tiny, "--isa", "all", timeout=600)
     assert list(r) == ["avx512", "avx2", "base"]
     for isa, res in r.items():
         if not ISA_REQUIREMENTS[isa] <= cpu_flags():
@@ -176,22 +164,7 @@ def test_bench_quant_every_kernel_build_in_its_own_process():
         assert positive(res["bandwidth"][str(res["threads"])]["dual"]["x_copy_time"])
     # The table ends with every build against the targets.
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zrw.bench",
-            "quant",
-            "--n",
-            "64",
-            "--k",
-            "96",
-            "--mm",
-            "32",
-            "--repeat",
-            "1",
-            "--isa",
-            "base",
-        ],
+        [sys.executable, "-m", "zrw.bench", *tiny, "--isa", "base"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -254,7 +227,7 @@ LEDGER_TOLERANCE_PER_N = 0.01
 
 
 def test_bench_step_ledger_rows_agree_with_their_arithmetic(step_run):
-    """Every row of the memory ledger (issue 31): the bytes zrw.memory counted when the optimizer
+    """Every row of the memory ledger: the bytes zrw.memory counted when the optimizer
     step begins (the forward/backward window's end) and when the inner optimizer starts equal the
     arithmetic printed beside them, and that arithmetic is the terms computed here from the
     shapes: BF16 weight 2, BF16 grad 2, FP32 grad 4, FP32 master 4, AdamW's moments 8 (FP32) or
@@ -311,7 +284,7 @@ def test_bench_step_ledger_rows_agree_with_their_arithmetic(step_run):
         assert x["static_per_n"] == max(x["window_live_per_n"], x["step_live_per_n"])
     # the baseline's 18 N is its optimizer step: weight 2 + FP32 grads 4 + masters 4 + moments 8
     assert abs(led["bf16"]["static_per_n"] - 18.0) <= 0.01
-    # the issue's goal, measured: the BF16-free 32x32 step with FP8 moments at most 11 N static
+    # the goal, measured: the BF16-free 32x32 step with FP8 moments at most 11 N static
     goal = led["bf16-free-32x32-fp8"]
     assert goal["static_per_n"] <= 11.0
     assert goal["static_vs_baseline"] == goal["static_per_n"] / led["bf16"]["static_per_n"]

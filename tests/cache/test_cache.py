@@ -1,4 +1,4 @@
-"""The native weight cache (issue 3, docs/design.md §5): quant_and_release, the release guard,
+"""The native weight cache (docs/design.md §5): quant_and_release, the release guard,
 restore and its fills, the step lifecycle, frozen weights, weak entries, and thread safety.
 
 Memory is measured with zrw.memory's counting allocator, installed when this module is imported
@@ -16,11 +16,14 @@ import threading
 
 import pytest
 import torch
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits  # noqa: F401
 
 import zrw
+from helpers.bitwise import same_bits
+from helpers.mx_layer import BF16, MXLinearFn, param
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 zrw.memory.install()
 
@@ -398,7 +401,7 @@ def test_step_boundary_rule_for_unreleased_weight():
 
 
 def test_a_weight_no_optimizer_owns_is_quantized_afresh_at_every_training_use():
-    # Nothing starts a new step for it (issue 28): a write through .data between two uses is
+    # Nothing starts a new step for it: a write through .data between two uses is
     # seen by the next one.
     w = param(64, 64, seed=10)
     cache.quant_and_release(w, release=False)
@@ -1008,7 +1011,7 @@ def test_grad_mode_hit_releases_a_no_grad_entry():
 
 def test_no_grad_sees_a_write_through_data():
     # Eval under no_grad never reaches a step boundary, and `w.data.copy_` bumps no version:
-    # each no_grad call must quantize what the weight holds now (issue 11).
+    # each no_grad call must quantize what the weight holds now.
     w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
     with torch.no_grad():
         q1 = cache.quant_and_release(w, name="eval")

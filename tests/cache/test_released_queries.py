@@ -1,4 +1,4 @@
-"""Queries on a released weight, and the master registry under threads (issue 19).
+"""Queries on a released weight, and the master registry under threads.
 
 1. Any Tensor or storage query on a weight zrw released answers correctly or raises a Python
    error (the release poison, naming the weight), and never aborts the process. torch's
@@ -22,11 +22,13 @@ import weakref
 
 import pytest
 import torch
-from mx_test_layer import BF16, clean_cache  # noqa: F401
 
 import zrw
+from helpers.mx_layer import BF16
 from zrw import cache
 from zrw.optim import MasterWeights
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 NAME = "0.weight"
 POISON = "zrw: the BF16 storage of weight '{}' is released"
@@ -360,7 +362,7 @@ def test_batch_apis_while_other_threads_build_and_delete_master_weights():
             counts["restore_weights"] += 1
 
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often: the race of the issue shows at once
+    sys.setswitchinterval(1e-6)  # switch threads often: a race shows at once
     try:
         threads = [threading.Thread(target=guarded(builder), args=(i,)) for i in range(2)]
         threads += [

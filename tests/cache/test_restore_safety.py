@@ -1,4 +1,4 @@
-"""No crash, no lost weight (issue 11, docs/design.md §5 "Safety invariants"): misuse, faults and
+"""No crash, no lost weight (docs/design.md §5 "Safety invariants"): misuse, faults and
 threads around release and restore.
 
 Crash-prone cases run in a child process, so that a regression (a segfault, a heap corruption
@@ -13,12 +13,15 @@ import threading
 
 import pytest
 import torch
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 import zrw
 import zrw.testing
+from helpers.bitwise import same_bits
+from helpers.mx_layer import BF16, MXLinearFn, param, value
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 zrw.memory.install()
 
@@ -37,7 +40,7 @@ def run_child(code: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The crashes of the issue: each in a child process.
+# Misuse that could crash the process: each in a child process.
 
 
 def test_replaced_data_is_never_written_and_the_weight_stays_restorable():

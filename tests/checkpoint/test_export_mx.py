@@ -1,4 +1,4 @@
-"""The training grid exported exactly (issue 31): zrw.checkpoint.export_mx hands each converted
+"""The training grid exported exactly: zrw.checkpoint.export_mx hands each converted
 weight's forward MXFP8 plane, E4M3 codes and E8M0 block scales, to torchao's MX inference tensor
 (MXTensor) byte for byte, the rest of the state dict as it is (BF16).
 
@@ -25,11 +25,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 safetensors = pytest.importorskip("safetensors.torch")
 
-from hf.hf_models import tiny_qwen3  # noqa: E402
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
 
 import zrw  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw import cache, memory, reference  # noqa: E402
 from zrw.checkpoint import export_mx, iter_mx_state_dict, load_mx, save_mx_pretrained  # noqa: E402
 from zrw.planes import is_zrw_layer  # noqa: E402
@@ -45,7 +45,7 @@ def u8(t):
 def trained(recipe, steps=3, seed=0):
     """A tiny Qwen3 converted with `recipe`, `steps` BF16-free AdamW steps; returns the model,
     its optimizer, the token ids and {state-dict name: (layer, weight)} of the converted."""
-    model = tiny_qwen3(seed)
+    model = make_model(seed=seed, **HF_QWEN3)
     zrw.convert(model, recipe=recipe)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(seed + 1)
@@ -145,7 +145,7 @@ def test_weight_without_a_cached_plane_exports_what_its_next_forward_uses(recipe
 def test_frozen_weight_released_for_good_exports_its_only_copy():
     """(a) a frozen base released for good (release_frozen, as under LoRA): its FP8 copy is its
     only value, and the export is that copy, byte for byte."""
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, recipe="mxfp8-32x32", release_frozen=True)
     model.requires_grad_(False)
     model.model.embed_tokens.weight.requires_grad_(True)  # something to backpropagate into
@@ -228,7 +228,7 @@ def test_exported_file_reloads_and_generates(recipe, tmp_path):
     prefix = some.rsplit(".", 1)[0]
     assert raw[f"{prefix}._weight_qdata"].dtype == torch.float8_e4m3fn
     assert raw[f"{prefix}._weight_scale"].dtype == torch.float8_e8m0fnu
-    fresh = load_mx(tiny_qwen3(seed=7), path)
+    fresh = load_mx(make_model(seed=7, **HF_QWEN3), path)
     params = dict(fresh.named_parameters())
     for name, t in exported.items():
         got = params.get(name)
@@ -309,7 +309,7 @@ def test_refuses_a_model_without_converted_weights(tmp_path):
     path = tmp_path / "old.safetensors"
     path.write_bytes(b"the old file")
     with pytest.raises(ValueError, match=r"export_mx: model has no converted weights"):
-        export_mx(tiny_qwen3(), path)
+        export_mx(make_model(**HF_QWEN3), path)
     assert path.read_bytes() == b"the old file"
     with pytest.raises(TypeError, match=r"export_mx: model must be a torch\.nn\.Module, got dict"):
         export_mx({})
@@ -363,8 +363,6 @@ def test_refuses_expert_stacks_unless_asked_for_bf16(tmp_path):
     """torchao 0.18's MXTensor cannot run transformers' fused experts: a 3-d stack is refused
     by name; experts='bf16' exports it as its exact BF16 value (from the master), the linear
     weights as MX, and the reloaded model runs."""
-    from helpers.models import make_model
-
     model = make_model("moe", layers=1)
     zrw.convert(model)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
@@ -392,8 +390,8 @@ def test_load_mx_refuses_a_converted_model_and_a_plain_file(tmp_path):
     plain = tmp_path / "plain.safetensors"
     zrw.checkpoint.save_safetensors(model, plain)
     with pytest.raises(ValueError, match=r"load_mx: .*plain\.safetensors' holds no torchao"):
-        load_mx(tiny_qwen3(), plain)
-    other = tiny_qwen3(intermediate_size=96)
+        load_mx(make_model(**HF_QWEN3), plain)
+    other = make_model(**dict(HF_QWEN3, ffn=96))
     with pytest.raises(ValueError, match=r"MX weight 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
         load_mx(other, path)
     del opt
@@ -422,7 +420,7 @@ def test_exports_a_released_weight_without_a_master():
     """Mid-step under a plain optimizer (restore by dequantization at its step, no FP32 master):
     save_safetensors cannot materialize the released BF16 weights, but their FP8 copy is what
     the export needs, and it is exported."""
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model)
     opt = zrw.optim.attach(torch.optim.SGD(model.parameters(), lr=0.1), fill="dequant")
     ids = torch.randint(0, 128, (1, 8))

@@ -94,7 +94,7 @@ def test_stype_must_be_the_enum():
 def test_recipe_defaults_and_is_frozen():
     made = recipe()
     assert made.elem_dtype == torch.float8_e4m3fn
-    assert made.scale_mode == "rceil"  # the default since issue 29 (docs/accuracy.md)
+    assert made.scale_mode == "rceil"  # the default, as docs/accuracy.md explains
     assert not made.block_32x32
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.scale_mode = "floor"

@@ -14,17 +14,10 @@ pytest.importorskip("matplotlib")
 
 from zrw import demo  # noqa: E402
 
-TINY = dict(
-    steps=2,
-    micro_batches=2,
-    batch=2,
-    seq=32,
-    hidden=64,
-    layers=1,
-    vocab=128,
-    experts=4,
-    progress=False,
-)
+# The demo at its smallest: 2 steps of 2 micro-batches of 2 sequences of 32 tokens, 1 layer of 64
+# (and the default 4 experts in the MoE).
+TINY = dict(steps=2, micro_batches=2, batch=2, seq=32, hidden=64, layers=1, vocab=128)
+TINY["progress"] = False
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-32x32"])
@@ -114,16 +107,8 @@ def test_bf16_free_step_saves_2n_where_the_optimizer_step_is_the_peak():
     """Few tokens: the FP32 masters and Adam moments make the optimizer step the global peak.
     There the seed's restore saves nothing (its FP8 copies live through the inner step, BF16 is
     back at the write-back), and the BF16-free step saves the full 2N."""
-    c = demo.DemoConfig(
-        model="dense",
-        steps=2,
-        micro_batches=1,
-        batch=1,
-        seq=16,
-        hidden=256,
-        layers=2,
-        progress=False,
-    )
+    few_tokens = dict(micro_batches=1, batch=1, seq=16, hidden=256, layers=2, vocab=512)
+    c = demo.DemoConfig(model="dense", **{**TINY, **few_tokens})
     (s,) = demo.run(c)
     assert s["losses_bitwise_equal_release_on_off"] and s["weights_equal_release_on_off"]
     assert all(v["phase"] == "optimizer step" for v in s["global_peak"].values()), s["global_peak"]

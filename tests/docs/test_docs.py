@@ -1,4 +1,4 @@
-"""The documentation holds together (issue 30): the README stays a five-minute read whose test
+"""The documentation holds together: the README stays a five-minute read whose test
 command is the one CI runs, the design page has its numbered sections, every citation of it or of
 the NPU page names one of their sections, no file outside docs/ cites anything outside the
 repository, and every relative link resolves. Reads files only (the list of tracked files comes

@@ -62,7 +62,7 @@ def train(model, opt, args, data, steps, **kw):
         opt,
         steps,
         args.micro_batches,
-        lambda s, mb: model(data[s * args.micro_batches + mb][rows]).float().pow(2).mean(),
+        worker.mean_square_loss(model, data, args.micro_batches, rows),
         group=dist.group.WORLD,
         **kw,
     )

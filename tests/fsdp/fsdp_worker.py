@@ -35,15 +35,7 @@ def run_single(args):
     """The single-process zrw run on the global batch (bf16 weights, FP32 masters)."""
     model = build(args).to(torch.bfloat16)
     opt = worker.master_weights(model.parameters(), args.lr, optimizer_cls(args))
-    data = batches(args)
-    losses, _ = worker.train(
-        opt,
-        range(args.steps),
-        args.micro_batches,
-        lambda s, mb: (
-            model(data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean()
-        ),
-    )
+    losses = worker.train_in_one_process(model, opt, batches(args), args)
     # The FP32 masters: what FSDP2's sharded parameters are.
     return {"losses": losses, "weights": worker.masters_by_name(model, opt)}
 
@@ -113,7 +105,7 @@ def run_fsdp(args):
             opt,
             range(args.steps),
             args.micro_batches,
-            lambda s, mb: model(data[s * args.micro_batches + mb][rows]).float().pow(2).mean(),
+            worker.mean_square_loss(model, data, args.micro_batches, rows),
             group=dist.group.WORLD,
             world=args.world,
             gathered=counts,

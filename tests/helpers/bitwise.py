@@ -18,8 +18,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_WIDTH[t.element_size()])
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bits."""
+def same_bits(a, b) -> bool:
+    """Same shape, dtype and bits; for tuples or lists of tensors (an op's outputs), each."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
@@ -36,9 +38,13 @@ def assert_bitwise(got, want, what="", nan_equal=False):
         assert torch.equal(got_nan, want_nan), f"{what}: NaN positions differ"
         got_bits = got_bits.masked_fill(got_nan, 0)
         want_bits = want_bits.masked_fill(want_nan, 0)
-    assert torch.equal(got_bits, want_bits), (
-        f"{what}: bits differ (first at {(got_bits != want_bits).nonzero()[:5].tolist()})"
-    )
+    assert torch.equal(got_bits, want_bits), _mismatches(got, want, got_bits, want_bits, what)
+
+
+def _mismatches(got, want, got_bits, want_bits, what):
+    where = (got_bits != want_bits).nonzero()[:5].tolist()
+    pairs = [(w, got[tuple(w)].item(), want[tuple(w)].item()) for w in where]
+    return f"{what}: bits differ at (index, got, expected) {pairs}"
 
 
 def assert_bitwise_dicts(got, want, what=""):

@@ -1,8 +1,8 @@
-"""Tiny Hugging Face models converted with zrw.convert and trained under
-zrw.optim.MasterWeights(AdamW) with the optimizer boundary attached (tests/nn/test_models.py,
-test_bf16_free_step.py and their child processes). Tiny Qwen3 (dense) and Qwen3-MoE models are
-built from configs (transformers model classes, seeded random init, BF16 — no download).
-Importing this module skips the importing test module when transformers is not installed."""
+"""Tiny Hugging Face models, the one factory every test and rank worker builds them with
+(make_model), and their training under zrw.optim.MasterWeights(AdamW) with the optimizer boundary
+attached (setup, train). Tiny Qwen3 (dense) and Qwen3-MoE models are built from configs
+(transformers model classes, seeded random init, BF16 — no download). Importing this module skips
+the importing test module when transformers is not installed."""
 
 import warnings
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zrw
+from helpers.bitwise import same_bits
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -26,34 +27,45 @@ BF16 = torch.bfloat16
 VOCAB = 128
 
 
-def make_model(kind, seed=0, tie=False, vocab=VOCAB, hidden=64, layers=2):
-    """A tiny Qwen3 / Qwen3-MoE: 2 layers, hidden 64, 2 query heads and 1 KV head of 32,
-    MoE with 4 experts of 48 (top 2) in every layer. Same seed, same weights."""
+def make_model(
+    kind="dense",
+    seed=0,
+    tie=False,
+    vocab=VOCAB,
+    hidden=64,
+    layers=2,
+    *,
+    heads=2,
+    kv_heads=1,
+    head_dim=32,
+    ffn=96,
+    moe_ffn=48,
+    experts=4,
+    dtype=BF16,
+    **config,
+):
+    """The tests' one tiny Qwen3 ("dense") / Qwen3-MoE ("moe") factory: by default 2 layers,
+    hidden 64, 2 query heads and 1 KV head of 32, an MLP of 96, and for MoE 4 experts of 48 (top
+    2) in every layer. Same seed, same weights. `config` sets further fields of the transformers
+    config; `dtype=None` keeps the FP32 of the constructor (for callers that cast parts)."""
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
+    cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn)
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    cfg.update(num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
     if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg, **config))
     else:
-        model = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                intermediate_size=96,
-                moe_intermediate_size=48,
-                num_experts=4,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                **common,
-            )
-        )
-    return model.to(BF16).train()
+        cfg.update(moe_intermediate_size=moe_ffn, num_experts=experts, num_experts_per_tok=2)
+        cfg.update(decoder_sparse_step=1)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, **config))
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.train()
+
+
+# The Hugging Face integration tests' Qwen3 (tests/hf, tests/checkpoint): 4 query heads and 2 KV
+# heads of 16, an MLP of 128: make_model("dense", **HF_QWEN3).
+HF_QWEN3 = dict(heads=4, kv_heads=2, head_dim=16, ffn=128)
 
 
 def enable_checkpointing(model, mode):
@@ -114,5 +126,5 @@ def weights(model):
 
 def assert_same_weights(a, b, what):
     assert a.keys() == b.keys()
-    bad = [n for n in a if not torch.equal(a[n], b[n])]
+    bad = [n for n in a if not same_bits(a[n], b[n])]
     assert not bad, f"{what}: weights differ in {bad}"

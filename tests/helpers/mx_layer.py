@@ -1,48 +1,18 @@
-"""What the cache and optimizer tests share: a minimal MX linear built only on zrw.ops, the
-fixture that gives every test an empty cache, and bitwise comparison and parameter helpers.
+"""What the cache and optimizer tests (tests/cache, tests/optim) share: a minimal MX linear built
+only on zrw.ops, and parameter helpers.
 
-It is deliberately not zrw.nn.MXLinear: the cache tests (issue 3) check the native cache and the
+It is deliberately not zrw.nn.MXLinear: the cache tests check the native cache and the
 optimizer boundary on their own, with nn.Linear weights used through quant_and_release.
 y = Q_K(x) @ W_fwd^T and dgrad Q_N(dy) @ W_bwd through mx_matmul; wgrad dy^T x in bf16. The
 layer calls quant_and_release OUTSIDE the Function: inside Function.forward grad mode is off and
 the release guard would skip the release as "no_grad".
 """
 
-import gc
-
-import pytest
 import torch
 
 from zrw import cache, ops
 
-
-@pytest.fixture(autouse=True)
-def clean_cache():
-    """Every test starts and ends with an empty cache (and zeroed hit/miss/skip counters).
-
-    The cyclic GC is paused during a test: a collection of an earlier test's garbage in the
-    middle of a measurement would shift the allocator's byte counts (tests that need a
-    collection call gc.collect() themselves, before they measure). Autouse in every test module
-    that imports it."""
-    cache.cache_clear()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        cache.cache_clear()
-
-
 BF16 = torch.bfloat16
-
-
-def bits(t):
-    return t.detach().contiguous().view(torch.uint8)
-
-
-def same_bits(a, b):
-    """Same shape, dtype and bytes."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def value(w):

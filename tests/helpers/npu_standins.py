@@ -170,6 +170,9 @@ def _rint(op, round_mode):
         )
 
 
+BF16_FP16 = (torch.float16, torch.bfloat16)
+
+
 def _input(op, x, dtypes, ranks):
     if x.dtype not in dtypes:
         raise StandInError(f"npu::{op}: input dtype {x.dtype} is not supported, expected {dtypes}")
@@ -271,6 +274,15 @@ class StandIns:
     def last(self, name):
         return [args for op, args in self.calls if op == name][-1]
 
+    def _quant_call(self, op, input, dtypes, ranks, **args):
+        """A quantization call: logged, its input and its FP8 output arguments (`args` holds
+        round_mode and dst_type) checked; returns the element dtype."""
+        self._log(op, shape=tuple(input.shape), **args)
+        _input(op, input, dtypes, ranks)
+        elem = _fp8(op, args["dst_type"])
+        _rint(op, args["round_mode"])
+        return elem
+
     # -- npu_dynamic_mx_quant -------------------------------------------------------------------
     def npu_dynamic_mx_quant(
         self,
@@ -286,18 +298,17 @@ class StandIns:
         **extra,
     ):
         op = "npu_dynamic_mx_quant"
-        self._log(
+        elem = self._quant_call(
             op,
-            shape=tuple(input.shape),
+            input,
+            (torch.float16, torch.bfloat16, torch.float32),
+            range(1, 8),
             axis=axis,
             round_mode=round_mode,
             dst_type=dst_type,
             block_size=block_size,
             scale_alg=scale_alg,
         )
-        _input(op, input, (torch.float16, torch.bfloat16, torch.float32), range(1, 8))
-        elem = _fp8(op, dst_type)
-        _rint(op, round_mode)
         if block_size != 32:
             raise StandInError(f"npu::{op}: block_size={block_size} is not emulated (32 only)")
         if input.dtype == torch.float32 and input.shape[axis] < 32:
@@ -315,16 +326,8 @@ class StandIns:
         self, input, *, round_mode="rint", dst_type=FP4_CODE, scale_alg=0, dst_type_max=0.0, **extra
     ):
         op = "npu_dynamic_mx_quant_with_dual_axis"
-        self._log(
-            op,
-            shape=tuple(input.shape),
-            round_mode=round_mode,
-            dst_type=dst_type,
-            scale_alg=scale_alg,
-        )
-        _input(op, input, (torch.float16, torch.bfloat16), range(2, 8))
-        elem = _fp8(op, dst_type)
-        _rint(op, round_mode)
+        fp8 = dict(round_mode=round_mode, dst_type=dst_type, scale_alg=scale_alg)
+        elem = self._quant_call(op, input, BF16_FP16, range(2, 8), **fp8)
         mode = _scale_mode(op, scale_alg)
         y1, s1 = ref.mx_quantize(input, -1, elem, mode)
         y2, s2 = ref.mx_quantize(input, -2, elem, mode)
@@ -340,16 +343,8 @@ class StandIns:
         self, input, *, round_mode="rint", dst_type=FP4_CODE, scale_alg=0, dst_type_max=0.0, **extra
     ):
         op = "npu_dynamic_block_mx_quant"
-        self._log(
-            op,
-            shape=tuple(input.shape),
-            round_mode=round_mode,
-            dst_type=dst_type,
-            scale_alg=scale_alg,
-        )
-        _input(op, input, (torch.float16, torch.bfloat16), (2, 3))
-        elem = _fp8(op, dst_type)
-        _rint(op, round_mode)
+        fp8 = dict(round_mode=round_mode, dst_type=dst_type, scale_alg=scale_alg)
+        elem = self._quant_call(op, input, BF16_FP16, (2, 3), **fp8)
         y, block = ref.mx_quantize_block(input, elem, _scale_mode(op, scale_alg))
         # One scale per 32x32 tile, broadcast over its 32 rows (scale1) and 32 columns (scale2).
         s1 = ref.expand_block_scale(block, input.shape, -1)

@@ -12,6 +12,7 @@ action is fn(model, opt, ctx); ctx["saved"] is a state dict taken after the firs
 import copy
 import io
 
+import pytest
 import torch
 from torch import nn
 
@@ -189,3 +190,18 @@ INSIDE = {
     "deepcopy": _deepcopy,
     "save_load": _save_load,
 }
+
+
+def assert_step_fails_inside(opt):
+    """opt.step() with an exception injected into its inner optimizer's step raises it (the
+    caller retries the step; the hook is gone by then)."""
+
+    def boom(*_):
+        raise RuntimeError("injected")
+
+    h = opt.inner.register_step_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+    finally:
+        h.remove()

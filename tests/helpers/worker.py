@@ -133,6 +133,24 @@ def master_weights(params, lr, cls=torch.optim.AdamW, **kw):
     return zrw.optim.attach(zrw.optim.MasterWeights(cls, params, lr=lr, **kw))
 
 
+def mean_square_loss(model, data, micro_batches, rows=slice(None), dtype=None):
+    """A loss_of for train(): the mean square of `model`'s output on micro-batch mb of step s,
+    data[s * micro_batches + mb] (its `rows`, cast to `dtype` if given)."""
+
+    def loss_of(s, mb):
+        x = data[s * micro_batches + mb][rows]
+        return model(x if dtype is None else x.to(dtype)).float().pow(2).mean()
+
+    return loss_of
+
+
+def train_in_one_process(model, opt, data, args):
+    """The single-process reference run: args.steps steps of args.micro_batches micro-batches of
+    the whole batch (BF16 inputs), mean_square_loss; the losses."""
+    loss_of = mean_square_loss(model, data, args.micro_batches, dtype=torch.bfloat16)
+    return train(opt, range(args.steps), args.micro_batches, loss_of)[0]
+
+
 def train(
     opt,
     steps,

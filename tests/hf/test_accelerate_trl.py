@@ -1,6 +1,6 @@
 """zrw with accelerate (prepare, accumulate, clipping, save_state / load_state) and TRL's
 SFTTrainer (its own optimizer path, through optimizer_cls_and_kwargs): release on equals
-release off bit for bit (issue 20). Tiny Qwen3 from a config, a word-level tokenizer built in
+release off bit for bit. Tiny Qwen3 from a config, a word-level tokenizer built in
 memory: nothing is downloaded."""
 
 import pytest
@@ -9,16 +9,16 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 
-import hf_models  # noqa: E402
-
 import zrw  # noqa: E402
+from helpers.hf import final_weights, losses_and_norms, trainer_args  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16
 
 
 def tiny_qwen3(seed=0):
-    return hf_models.tiny_qwen3(seed, pad_token_id=126, eos_token_id=127)
+    return make_model(seed=seed, pad_token_id=126, eos_token_id=127, **HF_QWEN3)
 
 
 def data(n=8, seq=16):
@@ -95,21 +95,16 @@ def sft_run(release, tmp_path):
     zrw.convert(model, release=release)
     ds = Dataset.from_dict({"input_ids": data(8).tolist()})
     cfg = SFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        bf16=False,
+        **trainer_args(
+            tmp_path,
+            max_steps=3,
+            max_grad_norm=1.0,
+            learning_rate=1e-3,
+            save_strategy="no",
+            data_seed=0,
+            dataloader_num_workers=0,
+            bf16=False,
+        )
     )
     trainer = SFTTrainer(
         model=model,
@@ -119,8 +114,7 @@ def sft_run(release, tmp_path):
         optimizer_cls_and_kwargs=(zrw.optim.AdamW, {"lr": 1e-3}),
     )
     trainer.train()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    return logs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses_and_norms(trainer), final_weights(model)
 
 
 def test_sft_trainer_release_on_equals_off(tmp_path):

@@ -1,8 +1,8 @@
-"""PEFT / LoRA on converted models (issue 20): adapters stay in high precision in either order
+"""PEFT / LoRA on converted models: adapters stay in high precision in either order
 of zrw.convert and get_peft_model; training with release on equals release off bit for bit;
 the adapter saves and reloads; a frozen base released for good (release_frozen=True, FP8 only)
 still gives a state dict (its dequantized FP8 values, with a warning, or a named error when
-asked) and merges (issue 31: as PEFT merges a quantized base, from its dequantized FP8 copy
+asked) and merges (as PEFT merges a quantized base, from its dequantized FP8 copy
 with one warning, the same bits as after zrw.cache.restore_frozen; refused by name under
 frozen_values("raise")); and merge_and_unload never leaves a stale FP8 copy in use."""
 
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 peft = pytest.importorskip("peft")
-from hf_models import tiny_qwen3  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 import zrw  # noqa: E402
+from helpers.hf import trainer_args  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw import cache  # noqa: E402
 from zrw.nn import MXLinear  # noqa: E402
 
@@ -39,7 +40,7 @@ def batches(n=3):
 
 def build(order, release, recipe="mxfp8", release_frozen=False):
     cache.cache_clear()
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     if order == "convert-first":
         zrw.convert(model, recipe, release=release, release_frozen=release_frozen)
         model = lora(model)
@@ -81,7 +82,7 @@ def test_adapters_stay_high_precision_and_release_on_equals_off(order, tmp_path)
         assert torch.equal(a_on[k], v), k
     # The adapter saves and loads into a fresh (plain) base: the same adapter weights.
     on.save_pretrained(str(tmp_path / "adapter"))
-    fresh = PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path / "adapter"))
+    fresh = PeftModel.from_pretrained(make_model(**HF_QWEN3), str(tmp_path / "adapter"))
     got = adapter(fresh)
     assert set(got) == set(a_on)
     for k, v in got.items():
@@ -110,7 +111,7 @@ def test_merge_and_unload_never_uses_a_stale_fp8_copy():
     del base_only
     # The merged weights, loaded into a fresh model and converted: the same logits exactly
     # (a stale FP8 copy of the unmerged base would give the base model's logits).
-    check = tiny_qwen3()
+    check = make_model(**HF_QWEN3)
     check.load_state_dict(merged.state_dict())
     zrw.convert(check, release=False)
     with torch.no_grad():
@@ -144,7 +145,7 @@ def test_frozen_base_released_for_good(recipe, tmp_path):
     with zrw.checkpoint.frozen_values("raise"):
         with pytest.raises(RuntimeError, match=r"released for good.*frozen_values"):
             on.state_dict()
-    got = PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path / "adapter"))
+    got = PeftModel.from_pretrained(make_model(**HF_QWEN3), str(tmp_path / "adapter"))
     for k, v in adapter(got).items():
         assert torch.equal(v, adapter(on)[k]), k
     # merge: under frozen_values("raise") refused with the fix named; after restore_frozen it
@@ -164,7 +165,7 @@ def test_frozen_base_released_for_good(recipe, tmp_path):
     reloaded = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=BF16)
     for k, v in merged.state_dict().items():
         assert torch.equal(reloaded.state_dict()[k], v), k
-    check = tiny_qwen3()  # the same config as the merged model (from_pretrained may pick
+    check = make_model(**HF_QWEN3)  # the same config as the merged model (from_pretrained may pick
     check.load_state_dict(reloaded.state_dict())  # another attention implementation)
     zrw.convert(check, recipe, release=False)
     with torch.no_grad():
@@ -242,7 +243,7 @@ def test_merge_on_a_base_released_for_good(recipe, safe, tmp_path, monkeypatch):
         assert torch.equal(got[k], v), k
 
     # = PEFT's merge on a plain (unconverted) model holding the dequantized base
-    plain = lora(tiny_qwen3())
+    plain = lora(make_model(**HF_QWEN3))
     plain.load_state_dict(before)
     expect = _sd(plain.merge_and_unload(safe_merge=safe))
     assert set(expect) == set(got)
@@ -285,17 +286,7 @@ def test_lora_under_trainer_checkpoints(recipe, tmp_path):
     for release in (False, True):
         model = build("convert-first", release, recipe, release_frozen=True)
         args = TrainingArguments(
-            output_dir=str(tmp_path / str(release)),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            save_steps=2,
-            max_grad_norm=1.0,
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            logging_steps=1,
-            disable_tqdm=True,
+            **trainer_args(tmp_path / str(release), max_steps=2, save_steps=2, max_grad_norm=1.0)
         )
         trainer = Trainer(
             model=model,
@@ -313,29 +304,13 @@ def test_lora_under_trainer_checkpoints(recipe, tmp_path):
     assert runs[True][0] == runs[False][0]
     for k, v in runs[False][1].items():
         assert torch.equal(runs[True][1][k], v), k
-    got = PeftModel.from_pretrained(tiny_qwen3(), str(tmp_path / "True" / "checkpoint-2"))
+    got = PeftModel.from_pretrained(make_model(**HF_QWEN3), str(tmp_path / "True" / "checkpoint-2"))
     for k, v in adapter(got).items():
         assert torch.equal(v, runs[True][1][k]), k
 
 
 def test_parametrized_experts_warn():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    model = Qwen3MoeForCausalLM(cfg).to(BF16)
+    model = make_model("moe", layers=1, moe_ffn=32, **HF_QWEN3)
     cfg = LoraConfig(
         r=4,
         target_modules=["q_proj"],

@@ -1,4 +1,4 @@
-"""zrw inside Hugging Face's Trainer (issue 20): a converted tiny Qwen3 trained by
+"""zrw inside Hugging Face's Trainer: a converted tiny Qwen3 trained by
 transformers' own Trainer, with the optimizer built by the Trainer from
 `optimizer_cls_and_kwargs=(zrw.optim.AdamW, ...)` or given as `optimizers=`, gradient
 accumulation 2, clipping at max_grad_norm=1.0, a checkpoint and a resume: release on gives bit
@@ -8,7 +8,7 @@ zrw releases nothing (no optimizer with the zrw boundary owns the weights), warn
 the fix, and trains exactly as release off. With convert(..., main_grad=True) the Trainer's own
 clipping (max_grad_norm > 0, over .grad only) is refused by zrw.optim.AdamW at the first step,
 before anything changes; clipping in the optimizer (TrainingArguments(max_grad_norm=0) +
-zrw.optim.AdamW(max_grad_norm=...)) covers every FP32 gradient, main_grad included (issue 31)."""
+zrw.optim.AdamW(max_grad_norm=...)) covers every FP32 gradient, main_grad included."""
 
 import json
 import warnings
@@ -17,54 +17,38 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from hf_models import tiny_qwen3  # noqa: E402
 from transformers import Qwen3ForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import zrw  # noqa: E402
+from helpers.bitwise import assert_bitwise_dicts  # noqa: E402
+from helpers.hf import Tokens, final_weights, losses_and_norms, trainer_args  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw import cache  # noqa: E402
 
 BF16 = torch.bfloat16
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, seq=16, seed=1):
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+# This file's runs: 4 steps, clipped at 1.0, a linear schedule, a checkpoint every 2 steps.
+RUN = dict(
+    max_steps=4,
+    max_grad_norm=1.0,
+    learning_rate=1e-3,
+    weight_decay=0.1,
+    save_strategy="steps",
+    save_steps=2,
+    data_seed=0,
+    dataloader_num_workers=0,
+    lr_scheduler_type="linear",
+)
 
 
 def args(out, **kw):
-    base = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=4,
-        max_grad_norm=1.0,
-        learning_rate=1e-3,
-        weight_decay=0.1,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        lr_scheduler_type="linear",
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
+    return TrainingArguments(**trainer_args(out, **{**RUN, **kw}))
 
 
 def train(out, release, how="cls", resume=None, max_steps=4, recipe="mxfp8"):
     cache.cache_clear()
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, recipe, release=release, main_grad=(how == "main_grad"))
     kw = {}
     extra = {}
@@ -80,18 +64,15 @@ def train(out, release, how="cls", resume=None, max_steps=4, recipe="mxfp8"):
         model=model, args=args(out, max_steps=max_steps, **extra), train_dataset=Tokens(), **kw
     )
     trainer.train(resume_from_checkpoint=resume)
-    logs = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
+    logs = losses_and_norms(trainer)
     if how == "main_grad":
         logs.append(trainer.optimizer.optimizer.last_grad_norm)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    released = cache.cache_stats()["released"]
-    return logs, weights, released, trainer
+    return logs, final_weights(model), cache.cache_stats()["released"], trainer
 
 
 def assert_same(a, b, what):
     assert a[0] == b[0], f"{what}: losses / grad norms differ: {a[0]} vs {b[0]}"
-    for k in b[1]:
-        assert torch.equal(a[1][k], b[1][k]), f"{what}: {k}"
+    assert_bitwise_dicts(a[1], b[1], what)
 
 
 @pytest.mark.parametrize("how", ["cls", "instance"])
@@ -149,7 +130,7 @@ def test_main_grad_under_trainer_is_consumed_each_step(tmp_path):
     """convert(..., main_grad=True) with zrw.optim.AdamW under Trainer: the FP32 main_grad is
     consumed by every step (it used to pile up across steps: Trainer clears only .grad)."""
     cache.cache_clear()
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, main_grad=True)
     trainer = Trainer(
         model=model,
@@ -171,7 +152,7 @@ def test_main_grad_under_trainer_is_consumed_each_step(tmp_path):
 
 
 def test_main_grad_with_a_plain_optimizer_is_refused():
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, main_grad=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = Tokens()[0]["input_ids"][None]
@@ -190,7 +171,7 @@ def test_main_grad_with_trainer_clipping_is_refused_before_any_step(tmp_path, ho
     leave them out. zrw.optim.AdamW refuses at the first step, naming both settings, before
     anything changes (also when it clips itself: the Trainer would clip .grad twice)."""
     cache.cache_clear()
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, main_grad=True)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     kw = {}
@@ -246,7 +227,7 @@ def test_main_grad_opt_out_clips_every_fp32_gradient(tmp_path):
     rounding (the Trainer's own norm over .grad only leaves the main_grad weights out). One
     warning says that the Trainer's logged grad_norm covers .grad only."""
     cache.cache_clear()
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, main_grad=True)
     seen = {}
 

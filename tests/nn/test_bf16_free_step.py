@@ -1,4 +1,4 @@
-"""The BF16-free optimizer step (issue 12): MasterWeights(keep_released=True), the default.
+"""The BF16-free optimizer step: MasterWeights(keep_released=True), the default.
 
 A released weight stays released through the optimizer step; its FP8 copy goes before the inner
 step, and its next first use quantizes straight from the FP32 master (one fused op that rounds

@@ -6,34 +6,14 @@ import pytest
 import torch
 
 import zrw
+from helpers.models import make_model  # (skips this module without transformers)
 from zrw.nn import MXFusedExperts
 
-transformers = pytest.importorskip("transformers")
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 def make(main_grad):
-    torch.manual_seed(0)
-    model = (
-        Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                vocab_size=64,
-                hidden_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=32,
-                intermediate_size=96,
-                moe_intermediate_size=64,
-                num_experts=4,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                tie_word_embeddings=False,
-            )
-        )
-        .to(torch.bfloat16)
-        .train()
-    )
+    model = make_model("moe", vocab=64, layers=1, moe_ffn=64)
     zrw.convert(model, "mxfp8", main_grad=main_grad)
     return model
 

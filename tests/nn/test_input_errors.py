@@ -10,6 +10,8 @@ import torch
 import zrw
 from zrw.nn import MXGroupedLinear, MXLinear, mx_grouped_linear, mx_linear
 
+pytestmark = pytest.mark.usefixtures("clean_cache")
+
 BF16 = torch.bfloat16
 INPUT_DTYPES = r"torch\.bfloat16, torch\.float16 or torch\.float32"
 

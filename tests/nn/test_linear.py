@@ -24,9 +24,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zrw
+from helpers.bitwise import assert_bitwise, same_bits
 from zrw import cache
 from zrw import reference as ref
 from zrw.nn import MXGroupedLinear, MXLinear
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 RECIPES = ["mxfp8", "mxfp8-32x32"]
 BF16 = torch.bfloat16
@@ -53,19 +56,6 @@ def _data(*shape, seed, dtype=BF16):
     x = torch.randn(*shape, generator=g, dtype=torch.float32)
     rows = torch.randint(-6, 7, (*shape[:-1], 1), generator=g).to(torch.float32)
     return (x * torch.exp2(rows)).to(dtype)
-
-
-def _bytes(t):
-    return t.contiguous().view(torch.uint8)
-
-
-def assert_bitwise(got, want, what):
-    assert got.dtype == want.dtype and got.shape == want.shape, (
-        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
-    )
-    if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
-        got, want = _bytes(got), _bytes(want)
-    assert torch.equal(got, want), f"{what}: not bitwise equal"
 
 
 def ref_weight_planes(w, recipe):
@@ -284,13 +274,7 @@ def test_mxlinear_saves_fp8_not_bf16(recipe):
     # Q_M(x)'s scale and W_bwd's scale are both (2, 70) here: match them as a multiset.
     left = list(saved)
     for name, want in [("Q_M(x)", qxm), ("Q_M(x) scale", sxm), ("W_bwd", wb), ("W_bwd scale", sb)]:
-        match = [
-            t
-            for t in left
-            if t.dtype == want.dtype
-            and t.shape == want.shape
-            and torch.equal(_bytes(t), _bytes(want))
-        ]
+        match = [t for t in left if same_bits(t, want)]
         assert match, f"{name} (bitwise the spec's) is not among the saved tensors"
         left.remove(match[0])
     assert not left, f"unexpected saved tensors: {[(t.dtype, tuple(t.shape)) for t in left]}"

@@ -2,8 +2,8 @@
 
 Tiny Qwen3 (dense) and Qwen3-MoE models are built from configs (transformers model classes,
 seeded random init, BF16 — no download), converted in place, and trained under
-zrw.optim.MasterWeights(AdamW) with the optimizer boundary attached. What must hold
-(issue 4): zero redundancy changes nothing but memory (release on vs off: bitwise the same losses
+zrw.optim.MasterWeights(AdamW) with the optimizer boundary attached. What must hold:
+zero redundancy changes nothing but memory (release on vs off: bitwise the same losses
 and weights, with and without activation checkpointing); MX gradients point where BF16's do; a
 learnable task trains as well as BF16; checkpoints round-trip bitwise, also mid-step; the
 converted model runs under torch.compile; convert's summary matches what the cache releases.
@@ -31,6 +31,8 @@ from helpers.models import (  # (skips this module without transformers)
 )
 from zrw import cache
 from zrw.nn import MXFusedExperts, MXLinear
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 def converted_weight_names(summary):

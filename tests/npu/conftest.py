@@ -7,9 +7,9 @@ which the test library libzrw_npu_test_ops defines, not zrw._C (npu_test_ops.py 
 
 import npu_test_ops
 import pytest
-from npu_standins import PINNED, SCHEMAS, StandIns
 
 import zrw  # noqa: F401  (loads zrw._C: the zrw ops)
+from helpers.npu_standins import PINNED, SCHEMAS, StandIns
 
 VARIANTS = (PINNED, "26.0.0")
 

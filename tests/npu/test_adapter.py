@@ -23,9 +23,9 @@ from pathlib import Path
 import npu_test_ops
 import pytest
 import torch
-from npu_standins import torch_npu_loaded
 
 import zrw
+from helpers.bitwise import assert_bitwise
 from helpers.npu_cases import (
     BLOCK_SHAPES,
     DUAL_FLOAT32_SHAPE,
@@ -49,6 +49,7 @@ from helpers.npu_cases import (
     operand,
     weights,
 )
+from helpers.npu_standins import torch_npu_loaded
 from zrw import reference as ref
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -79,16 +80,6 @@ def assert_same_mx(got, expected, dim, what=""):
     assert torch.equal(scale.view(U8), ref_scale.view(U8)), f"{what}: scale bytes differ"
     keep = ~nan_block_mask(ref_scale, dim % data.dim(), data.shape[dim])
     assert torch.equal(data.view(U8)[keep], ref_data.view(U8)[keep]), f"{what}: data bytes differ"
-
-
-def assert_bitwise_equal(got, expected, what=""):
-    """Equal bits, NaN where NaN (a NaN's payload aside)."""
-    assert got.dtype == expected.dtype and got.shape == expected.shape, what
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
-    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    as_int = bits[got.dtype]
-    assert torch.equal(got.view(as_int)[~nan], expected.view(as_int)[~nan]), f"{what}: bits differ"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,7 +265,7 @@ def test_mx_dequantize(adapter, case, elem, out_dtype):
     scale.view(-1)[:3] = torch.tensor([0x00, 0xFF, 0xFE], dtype=U8)  # 2^-127, NaN, 2^127
     scale = scale.view(E8M0)
     got = adapter.mx_dequantize(data, scale, dim, out_dtype)
-    assert_bitwise_equal(got, ref.mx_dequantize(data, scale, dim, out_dtype))
+    assert_bitwise(got, ref.mx_dequantize(data, scale, dim, out_dtype), nan_equal=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,7 +282,9 @@ def test_mx_matmul(npu_ops, adapter, a_layout, b_layout, k):
     b, b_scale = operand(exact_values(n, k, seed=k + 1), b_layout, b_elem)
     for out_dtype in (torch.float32, torch.bfloat16):
         got = adapter.mx_matmul(a, a_scale, b, b_scale, out_dtype)
-        assert_bitwise_equal(got, ref.mx_matmul(a, a_scale, b, b_scale, out_dtype), str(out_dtype))
+        assert_bitwise(
+            got, ref.mx_matmul(a, a_scale, b, b_scale, out_dtype), str(out_dtype), nan_equal=True
+        )
 
     call = npu_ops.last("npu_quant_matmul")
     k_padded = -(-k // 64) * 64
@@ -320,7 +313,7 @@ def test_mx_matmul_single_rows(npu_pinned, adapter, a_layout, b_layout, mn, k):
     a, a_scale = operand(exact_values(m, k, seed=m), a_layout, E4M3)
     b, b_scale = operand(exact_values(n, k, seed=n + 7), b_layout, E4M3)
     got = adapter.mx_matmul(a, a_scale, b, b_scale, torch.float32)
-    assert_bitwise_equal(got, ref.mx_matmul(a, a_scale, b, b_scale, torch.float32))
+    assert_bitwise(got, ref.mx_matmul(a, a_scale, b, b_scale, torch.float32), nan_equal=True)
 
 
 def test_mx_matmul_randn_and_nan_blocks(npu_pinned, adapter):
@@ -379,18 +372,7 @@ def test_mirror_schemas_are_zrw_schemas(adapter):
 
 
 @pytest.mark.skipif(torch_npu_loaded(), reason="expects the npu:: operators to be missing")
-@pytest.mark.parametrize(
-    "op",
-    [
-        "mx_quantize",
-        "mx_quantize_dual",
-        "mx_quantize_block",
-        "mx_quantize_from_master",
-        "mx_quantize_dual_from_master",
-        "mx_quantize_block_from_master",
-        "mx_matmul",
-    ],
-)
+@pytest.mark.parametrize("op", [op for op in MX_OPS if op != "mx_dequantize"])
 def test_the_npu_key_reaches_the_adapter(op):
     # With PrivateUse1 added to the thread's dispatch keys, CPU tensors dispatch to zrw's NPU
     # kernels; without torch_npu they stop at the operator lookup, which comes before any aten op

@@ -4,9 +4,9 @@ import re
 from pathlib import Path
 
 import pytest
-from npu_standins import PINNED, SCHEMAS, StandIns, torch_npu_loaded
 
 import zrw
+from helpers.npu_standins import PINNED, SCHEMAS, StandIns, torch_npu_loaded
 from zrw.backends import MX_OPS, NPU_OPERATORS
 
 

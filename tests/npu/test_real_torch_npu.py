@@ -24,8 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch_npu_wheel
-from npu_standins import (
+
+import zrw
+from helpers import npu_cases as cases
+from helpers import torch_npu_wheel
+from helpers.npu_standins import (
     E8M0_CODE,
     FP4_CODE,
     FP8_BY_CODE,
@@ -38,10 +41,7 @@ from npu_standins import (
     ignores_dst_type,
     signature,
 )
-from torch_npu_wheel import META_FILE, SCHEMA_FILE, VERSION
-
-import zrw
-from helpers import npu_cases as cases
+from helpers.torch_npu_wheel import META_FILE, SCHEMA_FILE, VERSION
 from zrw import reference as ref
 from zrw.backends import NPU_OPERATORS
 
@@ -180,6 +180,20 @@ def _matmul(a_layout, b_layout, k, mn, elems, out_dtypes):
     return run
 
 
+def _dual_or_block(kind, shapes, elems):
+    """The cases of mx_quantize_dual ("dual") or mx_quantize_block ("block"): each shape, element
+    format and scale rule."""
+    for shape in shapes:
+        for elem, e in elems:
+            for mode in cases.MODES:
+                yield (
+                    f"{kind}-{shape}-{e}-{mode}",
+                    lambda adapter, k=kind, s=shape, el=elem, m=mode: getattr(
+                        adapter, f"mx_quantize_{k}"
+                    )(cases.weights(s), el, m),
+                )
+
+
 def adapter_cases():
     """(id, run(adapter)) for every case of test_adapter.py that reaches a torch_npu operator."""
     elems = [(e, cases.dtype_id(e)) for e in cases.ELEMS]
@@ -202,15 +216,7 @@ def adapter_cases():
         "quantize-transposed-input",
         lambda adapter: adapter.mx_quantize(cases.weights((96, 70)).t(), 1, E4M3, "floor"),
     )
-    for shape in cases.DUAL_SHAPES:
-        for elem, e in elems:
-            for mode in cases.MODES:
-                yield (
-                    f"dual-{shape}-{e}-{mode}",
-                    lambda adapter, s=shape, el=elem, m=mode: adapter.mx_quantize_dual(
-                        cases.weights(s), el, m
-                    ),
-                )
+    yield from _dual_or_block("dual", cases.DUAL_SHAPES, elems)
     for shape in (cases.DUAL_FLOAT32_SHAPE, (7, 20)):
         yield (
             f"dual-{shape}-float32",
@@ -218,15 +224,7 @@ def adapter_cases():
                 cases.weights(s, torch.float32), E4M3, "rceil"
             ),
         )
-    for shape in cases.BLOCK_SHAPES:
-        for elem, e in elems:
-            for mode in cases.MODES:
-                yield (
-                    f"block-{shape}-{e}-{mode}",
-                    lambda adapter, s=shape, el=elem, m=mode: adapter.mx_quantize_block(
-                        cases.weights(s), el, m
-                    ),
-                )
+    yield from _dual_or_block("block", cases.BLOCK_SHAPES, elems)
     for param_dtype in cases.PARAM_DTYPES:
         p = cases.dtype_id(param_dtype)
         yield (

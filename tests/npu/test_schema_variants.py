@@ -9,7 +9,8 @@ variants: a missing operator, a missing or retyped argument, or an operator that
 
 import pytest
 import torch
-from npu_standins import (
+
+from helpers.npu_standins import (
     FP4_CODE,
     PINNED,
     SCHEMAS,
@@ -18,7 +19,6 @@ from npu_standins import (
     golden_pair,
     ignores_dst_type,
 )
-
 from zrw import reference as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -158,32 +158,30 @@ def test_missing_scale_alg_is_fine_for_floor_only(adapter):
             adapter.mx_quantize(w, -1, E4M3, "rceil")
 
 
-def test_unknown_required_argument(adapter):
-    schemas = {
-        "npu_dynamic_mx_quant": (
-            "npu_dynamic_mx_quant(Tensor input, int group, *, int axis=-1, int dst_type=296, "
-            "int? scale_alg=0) -> (Tensor, Tensor)"
-        )
-    }
-    with StandIns(schemas):
-        with pytest.raises(
-            RuntimeError, match="has a required argument 'group' that zrw does not know"
-        ):
+def assert_quantize_refused(adapter, schema, match):
+    """mx_quantize against an npu_dynamic_mx_quant of `schema` raises a RuntimeError matching
+    `match`."""
+    with StandIns({"npu_dynamic_mx_quant": schema}):
+        with pytest.raises(RuntimeError, match=match):
             adapter.mx_quantize(bf16(8, 64), -1, E4M3, "floor")
+
+
+def test_unknown_required_argument(adapter):
+    schema = (
+        "npu_dynamic_mx_quant(Tensor input, int group, *, int axis=-1, int dst_type=296, "
+        "int? scale_alg=0) -> (Tensor, Tensor)"
+    )
+    assert_quantize_refused(
+        adapter, schema, "has a required argument 'group' that zrw does not know"
+    )
 
 
 def test_argument_of_another_type(adapter):
-    schemas = {
-        "npu_dynamic_mx_quant": (
-            'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str dst_type="fp8", '
-            "int? scale_alg=0) -> (Tensor, Tensor)"
-        )
-    }
-    with StandIns(schemas):
-        with pytest.raises(
-            RuntimeError, match="takes argument 'dst_type' as str, but zrw passes int"
-        ):
-            adapter.mx_quantize(bf16(8, 64), -1, E4M3, "floor")
+    schema = (
+        'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str dst_type="fp8", '
+        "int? scale_alg=0) -> (Tensor, Tensor)"
+    )
+    assert_quantize_refused(adapter, schema, "takes argument 'dst_type' as str, but zrw passes int")
 
 
 def test_operator_that_ignores_dst_type(adapter):
@@ -207,20 +205,25 @@ def test_stand_in_refuses_the_fp4_default(npu_pinned):
         torch.ops.npu.npu_dynamic_mx_quant(bf16(8, 64))
 
 
+def mx_quant_matmul(x1, x2, scale, pertoken_scale):
+    """npu::npu_quant_matmul in MX mode (FP8 e8m0 scales of 32-element groups), BF16 output."""
+    return torch.ops.npu.npu_quant_matmul(
+        x1,
+        x2,
+        scale,
+        pertoken_scale=pertoken_scale,
+        output_dtype=6,
+        scale_dtype=293,
+        pertoken_scale_dtype=293,
+        group_sizes=[1, 1, 32],
+    )
+
+
 def test_stand_in_refuses_k_not_divisible_by_64(npu_pinned):
     a, a_scale = ref.mx_quantize(bf16(4, 96), -1, E4M3, "floor")
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="K divisible by 64, got K=96"):
-        torch.ops.npu.npu_quant_matmul(
-            a,
-            a.t(),
-            pairs.transpose(0, 1),
-            pertoken_scale=pairs,
-            output_dtype=6,
-            scale_dtype=293,
-            pertoken_scale_dtype=293,
-            group_sizes=[1, 1, 32],
-        )
+        mx_quant_matmul(a, a.t(), pairs.transpose(0, 1), pairs)
 
 
 def test_stand_in_refuses_mismatched_transpose(npu_pinned):
@@ -228,13 +231,4 @@ def test_stand_in_refuses_mismatched_transpose(npu_pinned):
     pairs = golden_pair(a_scale, -1)  # (4, 2, 2)
     with pytest.raises(StandInError, match="x2 tensor and scale tensor's transpose are not same"):
         # x2 = a.t() is transposed, its scale a contiguous copy of the transposed pairs
-        torch.ops.npu.npu_quant_matmul(
-            a,
-            a.t(),
-            pairs.transpose(0, 1).contiguous(),
-            pertoken_scale=pairs,
-            output_dtype=6,
-            scale_dtype=293,
-            pertoken_scale_dtype=293,
-            group_sizes=[1, 1, 32],
-        )
+        mx_quant_matmul(a, a.t(), pairs.transpose(0, 1).contiguous(), pairs)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from helpers.bitwise import assert_bitwise, same_bits
 from zrw import ops
 from zrw import reference as ref
 
@@ -26,7 +27,6 @@ BLOCK = 32
 
 ELEM_DTYPES = (E4M3, E5M2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def dtype_id(dtype):
@@ -43,20 +43,11 @@ def random_bytes(shape, gen, low=0, high=256):
     return torch.randint(low, high, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
 
 
-def assert_bitwise_equal(got, expected, what=""):
-    """Same shape, dtype and bytes; NaNs at the same places (their bits are not compared)."""
-    assert got.shape == expected.shape, what
-    assert got.dtype == expected.dtype, what
+def assert_dequantized(got, expected, what=""):
+    """A contiguous output with the expected bits, NaNs at the same places (their bits are not
+    compared)."""
     assert got.is_contiguous(), what
-    got_nan, exp_nan = got.isnan(), expected.isnan()
-    assert torch.equal(got_nan, exp_nan), f"{what}: NaN positions differ"
-    int_dtype = INT_VIEW[got.dtype]
-    got_bits = got.view(int_dtype).masked_fill(got_nan, 0)
-    exp_bits = expected.view(int_dtype).masked_fill(exp_nan, 0)
-    if not torch.equal(got_bits, exp_bits):
-        where = (got_bits != exp_bits).nonzero()[:5].tolist()
-        pairs = [(w, got[tuple(w)].item(), expected[tuple(w)].item()) for w in where]
-        raise AssertionError(f"{what}: values differ at (index, got, expected) {pairs}")
+    assert_bitwise(got, expected, what, nan_equal=True)
 
 
 def independent_dequantize(data, scale, dim):
@@ -117,7 +108,7 @@ def test_dequantize_every_byte_matches_reference(elem_dtype, shape_dim):
     for out_dtype in OUT_DTYPES:
         got = ops.mx_dequantize(data, scale, dim, out_dtype)
         expected = ref.mx_dequantize(data, scale, dim, out_dtype)
-        assert_bitwise_equal(got, expected, f"{out_dtype}")
+        assert_dequantized(got, expected, f"{out_dtype}")
 
 
 @pytest.mark.parametrize("shape_dim", SHAPE_DIMS, ids=_shape_id)
@@ -132,7 +123,7 @@ def test_dequantize_of_quantized_values_matches_reference(elem_dtype, shape_dim)
     for out_dtype in OUT_DTYPES:
         got = ops.mx_dequantize(data, scale, dim, out_dtype)
         expected = ref.mx_dequantize(data, scale, dim, out_dtype)
-        assert_bitwise_equal(got, expected, f"{out_dtype}")
+        assert_dequantized(got, expected, f"{out_dtype}")
     exact = ops.mx_dequantize(data, scale, dim, torch.float32).double()
     independent = independent_dequantize(data, scale, dim)
     assert torch.equal(exact.nan_to_num(7.0), independent.nan_to_num(7.0))
@@ -152,7 +143,7 @@ def test_dequantize_strided_data_and_scale(elem_dtype):
     ]
     for d, s, dim in views:
         for out_dtype in OUT_DTYPES:
-            assert_bitwise_equal(
+            assert_dequantized(
                 ops.mx_dequantize(d, s, dim, out_dtype), ref.mx_dequantize(d, s, dim, out_dtype)
             )
 
@@ -166,7 +157,7 @@ def test_scale_byte_zero_and_nan(elem_dtype, out_dtype):
     for dim, scale_bytes in ((-1, [[0], [NAN_BYTE]] * 4), (0, [[0] * 32])):
         scale = torch.tensor(scale_bytes, dtype=torch.uint8).view(E8M0)
         got = ops.mx_dequantize(data, scale, dim, out_dtype)
-        assert_bitwise_equal(got, ref.mx_dequantize(data, scale, dim, out_dtype))
+        assert_dequantized(got, ref.mx_dequantize(data, scale, dim, out_dtype))
         if dim == -1:
             assert got[1::2].isnan().all()
     # Byte 0 in fp32 is exact: element * 2^-127, down to fp32 subnormals.
@@ -245,8 +236,8 @@ def test_requantizing_dequantized_values_is_idempotent(
     assert torch.equal(restored.double(), independent_dequantize(data, scale, dim))
     again_data, again_scale = ops.mx_quantize(restored, dim, elem_dtype, scale_mode)
     if scale_mode == "floor":
-        assert torch.equal(again_data.view(torch.uint8), data.view(torch.uint8))
-        assert torch.equal(again_scale.view(torch.uint8), scale.view(torch.uint8))
+        assert same_bits(again_data, data)
+        assert same_bits(again_scale, scale)
     again = ops.mx_dequantize(again_data, again_scale, dim, out_dtype)
     assert torch.equal(again, restored)
 
@@ -263,7 +254,7 @@ def test_dequantize_matches_reference_on_random_bytes(shape, elem_dtype, out_dty
     for dim in range(-len(shape), len(shape)):
         data = random_bytes(shape, gen).view(elem_dtype)
         scale = random_bytes(scale_shape(shape, dim), gen).view(E8M0)
-        assert_bitwise_equal(
+        assert_dequantized(
             ops.mx_dequantize(data, scale, dim, out_dtype),
             ref.mx_dequantize(data, scale, dim, out_dtype),
         )

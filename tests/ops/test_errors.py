@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
+from helpers.bitwise import same_bits
 from zrw import ops
 
 E4M3 = torch.float8_e4m3fn
@@ -707,7 +708,7 @@ def test_integer_like_dims_are_accepted():
     # numpy integers are ints to the dispatcher too; only bool (an int subclass) is refused.
     np = pytest.importorskip("numpy")
     for a, b in zip(ops.mx_quantize(X, np.int64(-1)), ops.mx_quantize(X, -1)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert same_bits(a, b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -743,13 +744,6 @@ def _as_list(out):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _same(a, b):
-    a, b = a.detach(), b.detach()
-    if a.dtype.is_floating_point and a.element_size() == 1:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return a.dtype == b.dtype and torch.equal(a, b)
-
-
 @pytest.mark.parametrize(
     "op, arg, call, value", [c for c in GRAD_CASES], ids=[f"{c[0]}-{c[1]}" for c in GRAD_CASES]
 )
@@ -771,9 +765,9 @@ def test_without_grad_the_ops_work_as_before(op, arg, call, value, recwarn):
     # requires_grad under no_grad, or a detached input: the same bytes, nothing requires grad.
     with torch.no_grad():
         got = _as_list(call(_requiring(value)))
-    assert all(_same(g, e) and not g.requires_grad for g, e in zip(got, expected))
+    assert all(same_bits(g, e) and not g.requires_grad for g, e in zip(got, expected))
     got = _as_list(call(_requiring(value).detach()))
-    assert all(_same(g, e) and not g.requires_grad for g, e in zip(got, expected))
+    assert all(same_bits(g, e) and not g.requires_grad for g, e in zip(got, expected))
     # No "autograd kernel was not registered" warning either.
     assert not [w for w in recwarn if "autograd" in str(w.message)]
 
@@ -781,6 +775,6 @@ def test_without_grad_the_ops_work_as_before(op, arg, call, value, recwarn):
 def test_a_refused_call_in_a_compiled_function_is_refused_too():
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: ops.mx_quantize(t)[0], backend="aot_eager")
-    assert _same(compiled(X), ops.mx_quantize(X)[0])
+    assert same_bits(compiled(X), ops.mx_quantize(X)[0])
     with pytest.raises(Exception, match=r"zrw\.mx_quantize is not differentiable"):
         compiled(_requiring(X))

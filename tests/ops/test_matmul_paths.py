@@ -1,4 +1,4 @@
-"""mx_matmul's two CPU GEMM paths (issue 15): the FP32 GEMM on fp32 tiles, and the BF16 GEMM
+"""mx_matmul's two CPU GEMM paths: the FP32 GEMM on fp32 tiles, and the BF16 GEMM
 on bf16 tiles where the CPU has native BF16 dot products. Both are run on every machine, each in
 its own process with ZRW_CPU_GEMM forcing it (the choice is made once per process):
 
@@ -22,6 +22,7 @@ import torch
 
 import zrw  # noqa: F401
 import zrw.testing
+from helpers.bitwise import same_bits
 
 CASES_SCRIPT = r"""
 import sys, torch, zrw, zrw.testing
@@ -191,7 +192,7 @@ def test_bf16_path_equals_fp32_path_up_to_summation_order(results):
         assert y_bf16.dtype == y_fp32.dtype and y_bf16.shape == y_fp32.shape
         if ran != ["bf16"]:
             # Same GEMM, same tiles: bitwise (NaNs where the FP32 path has them).
-            assert torch.equal(y_bf16.view(torch.uint8), y_fp32.view(torch.uint8)), key
+            assert same_bits(y_bf16, y_fp32), key
             continue
         # One rounding of the same fp32 dot products to bf16: both within half a bf16 ulp of
         # the exact (float64) product, up to the fp32 summation error.

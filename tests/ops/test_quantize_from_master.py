@@ -27,6 +27,7 @@ import torch
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
 from helpers import child_env
+from helpers.bitwise import same_bits
 from helpers.quant import (
     ISA_REQUIREMENTS,
     as_bytes,
@@ -196,13 +197,6 @@ def make_master(kind, shape, dim, param_dtype, seed):
 # the comparison, shared by the in-process tests and the ZRW_CPU_ISA children
 
 
-def _bytes_equal(got, expected):
-    return all(
-        g.dtype == e.dtype and g.shape == e.shape and torch.equal(as_bytes(g), as_bytes(e))
-        for g, e in zip(got, expected)
-    )
-
-
 def _fused_and_plain(master, layout, param_dtype, elem_dtype, scale_mode):
     """(fused op's outputs, the existing op's outputs on master.to(param_dtype), the reference's
     outputs on the same, the blocking dims of the (data, scale) pairs)."""
@@ -241,7 +235,7 @@ def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
             got, plain, spec, dims = _fused_and_plain(
                 master, layout, param_dtype, elem_dtype, scale_mode
             )
-            if not _bytes_equal(got, plain):
+            if not same_bits(got, plain):
                 failures.append(f"{what}: differs from the existing op on master.to(param_dtype)")
             try:
                 if layout == "block":
@@ -365,11 +359,11 @@ def test_non_contiguous_and_empty_masters():
     for view in (master.t(), master[::2, 1::3], master[3:, 5:]):
         for p in PARAM_DTYPES:
             got = ops.mx_quantize_from_master(view, 0, p, E5M2, "rceil")
-            assert _bytes_equal(got, ops.mx_quantize(view.to(p), 0, E5M2, "rceil"))
+            assert same_bits(got, ops.mx_quantize(view.to(p), 0, E5M2, "rceil"))
             got = ops.mx_quantize_dual_from_master(view, p, E4M3, "floor")
-            assert _bytes_equal(got, ops.mx_quantize_dual(view.to(p), E4M3, "floor"))
+            assert same_bits(got, ops.mx_quantize_dual(view.to(p), E4M3, "floor"))
             got = ops.mx_quantize_block_from_master(view, p, E4M3, "rceil")
-            assert _bytes_equal(got, ops.mx_quantize_block(view.to(p), E4M3, "rceil"))
+            assert same_bits(got, ops.mx_quantize_block(view.to(p), E4M3, "rceil"))
     empty = torch.empty(0, 64)
     for got, plain in (
         (ops.mx_quantize_from_master(empty), ops.mx_quantize(empty.to(BF16))),
@@ -385,7 +379,7 @@ def test_other_ranks_and_dims():
         master = make_master("amax_rounding", shape, dim, BF16, seed=6)
         for p in PARAM_DTYPES:
             got = ops.mx_quantize_from_master(master, dim, p, E4M3, "rceil")
-            assert _bytes_equal(got, ops.mx_quantize(master.to(p), dim, E4M3, "rceil"))
+            assert same_bits(got, ops.mx_quantize(master.to(p), dim, E4M3, "rceil"))
             assert_same_quantization(got, ref.mx_quantize(master.to(p), dim, E4M3, "rceil"), dim)
 
 
@@ -402,7 +396,7 @@ def test_reference_is_the_cast_then_the_reference_quantize():
             (ref.mx_quantize_block_from_master(master, p), ref.mx_quantize_block(param)),
         ]
         for got, expected in pairs:
-            assert _bytes_equal(got, expected)
+            assert same_bits(got, expected)
 
 
 def test_matches_torchao_on_the_rounded_parameter():
@@ -547,7 +541,7 @@ def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     master = make_master("amax_rounding", (40, 70), -1, BF16, seed=12)
-    assert _bytes_equal(compiled(master), fn(master))
+    assert same_bits(compiled(master), fn(master))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -744,4 +738,4 @@ def test_a_master_requiring_grad_is_refused_under_grad_mode():
         ops.mx_quantize_dual_from_master(master)
     with torch.no_grad():
         got = ops.mx_quantize_dual_from_master(master)
-    assert _bytes_equal(got, ops.mx_quantize_dual_from_master(X))
+    assert same_bits(got, ops.mx_quantize_dual_from_master(X))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from helpers.bitwise import same_bits
 from zrw import reference as ref
 
 E4M3 = torch.float8_e4m3fn
@@ -237,15 +238,15 @@ def test_any_rank_and_dim_matches_quantizing_the_moved_axis():
     strided = x.transpose(0, 2)
     a, sa = ref.mx_quantize(strided, dim=1)
     b, sb = ref.mx_quantize(strided.contiguous(), dim=1)
-    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert torch.equal(sa.view(torch.uint8), sb.view(torch.uint8))
+    assert same_bits(a, b)
+    assert same_bits(sa, sb)
 
 
 def test_power_of_two_rescale_shifts_scales_only():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     data, scale = ref.mx_quantize(x, scale_mode="rceil")
     data_shifted, scale_shifted = ref.mx_quantize(x * 2.0**-20, scale_mode="rceil")
-    assert torch.equal(data.view(torch.uint8), data_shifted.view(torch.uint8))
+    assert same_bits(data, data_shifted)
     assert torch.equal(scale.view(torch.uint8).int() - 20, scale_shifted.view(torch.uint8).int())
 
 
@@ -255,8 +256,8 @@ def test_dual_is_quantize_along_each_weight_axis():
     assert scale_fwd.shape == (2, 40, 3) and scale_bwd.shape == (2, 2, 70)
     for (data, scale), dim in (((data_fwd, scale_fwd), -1), ((data_bwd, scale_bwd), -2)):
         expected_data, expected_scale = ref.mx_quantize(w, dim=dim, scale_mode="rceil")
-        assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
-        assert torch.equal(scale.view(torch.uint8), expected_scale.view(torch.uint8))
+        assert same_bits(data, expected_data)
+        assert same_bits(scale, expected_scale)
 
 
 @pytest.mark.parametrize("shape", [(70, 45), (3, 33, 64), (1, 1)])
@@ -283,8 +284,8 @@ def test_block_scale_is_the_max_of_its_row_block_scales(shape, scale_mode):
     # One requantization with the tile scale must give back the same bytes (floor is idempotent).
     if scale_mode == "floor":
         again, again_scale = ref.mx_quantize_block(restored, scale_mode="floor")
-        assert torch.equal(again.view(torch.uint8), data.view(torch.uint8))
-        assert torch.equal(again_scale.view(torch.uint8), block_scale.view(torch.uint8))
+        assert same_bits(again, data)
+        assert same_bits(again_scale, block_scale)
 
 
 def test_block_nonfinite_tile_only():
@@ -360,8 +361,8 @@ def test_quantize_dequantize_round_trip(scale_mode, elem_dtype):
     again = ref.mx_dequantize(again_data, again_scale, out_dtype=torch.float32)
     assert torch.equal(again, restored)
     if scale_mode == "floor":
-        assert torch.equal(again_data.view(torch.uint8), data.view(torch.uint8))
-        assert torch.equal(again_scale.view(torch.uint8), scale.view(torch.uint8))
+        assert same_bits(again_data, data)
+        assert same_bits(again_scale, scale)
     # Error relative to the block max: at most half an ulp of the top binade (1/16 of it for e4m3,
     # 1/8 for e5m2), or the clip from up to 2^(emax+1) down to 1.75 * 2^emax under floor (1/8).
     relative = (restored - x.float()).abs() / x.float().abs().amax(-1, keepdim=True)

@@ -1,4 +1,4 @@
-"""MasterWeights as a drop-in torch optimizer (issue 11): LR schedulers, manual hyper-parameter
+"""MasterWeights as a drop-in torch optimizer: LR schedulers, manual hyper-parameter
 changes, add_param_group, step(closure) (LBFGS too), atomic state_dict / load_state_dict.
 
 The reference for every comparison is the plain torch optimizer stepping FP32 copies of the
@@ -10,11 +10,14 @@ import copy
 
 import pytest
 import torch
-from mx_test_layer import BF16, MXLinearFn, clean_cache, same_bits, value  # noqa: F401
 from torch.optim import lr_scheduler
 
+from helpers.bitwise import same_bits
+from helpers.mx_layer import BF16, MXLinearFn, value
 from zrw import cache
 from zrw.optim import MasterWeights, attach
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 SHAPES = [(64, 32), (32, 64)]
 

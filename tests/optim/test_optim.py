@@ -1,4 +1,4 @@
-"""The optimizer boundary (issue 3, docs/design.md §5/§9): zrw.optim.attach and MasterWeights, and
+"""The optimizer boundary (docs/design.md §5/§9): zrw.optim.attach and MasterWeights, and
 the zero-redundancy training loop: bitwise identical with release on and off, the released bytes are
 the BF16 bytes of the weights, and the peak between the first forward and the optimizer pre-hook
 drops by exactly those bytes (zrw.memory, installed when this module is imported, before any
@@ -9,11 +9,14 @@ import io
 
 import pytest
 import torch
-from mx_test_layer import BF16, MXLinearFn, clean_cache, param, same_bits, value  # noqa: F401
 
 import zrw
+from helpers.bitwise import same_bits
+from helpers.mx_layer import BF16, MXLinearFn, param, value
 from zrw import cache, ops
 from zrw.optim import MasterWeights, attach, detach
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 zrw.memory.install()
 

@@ -1,4 +1,4 @@
-"""Low-bit optimizer states on FP32 masters (issue 31): torchao's AdamW8bit, AdamWFp8 and
+"""Low-bit optimizer states on FP32 masters: torchao's AdamW8bit, AdamWFp8 and
 AdamW4bit, and torch's AdamW with foreach=False / foreach=True / fused=True, as the inner
 optimizer of zrw.optim.MasterWeights, and zrw.optim.AdamW(state_dtype=...) that maps onto them.
 
@@ -15,12 +15,15 @@ import io
 
 import pytest
 import torch
-from mx_test_layer import BF16, clean_cache, same_bits, value  # noqa: F401
 from torch.optim.lr_scheduler import LambdaLR
 
 import zrw
+from helpers.bitwise import assert_bitwise_dicts, same_bits
+from helpers.mx_layer import BF16, value
 from zrw import cache
 from zrw.optim import MasterWeights, attach, has_boundary
+
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 ao = pytest.importorskip("torchao.optim")
 
@@ -136,16 +139,6 @@ def snapshot(model, opt):
     }
 
 
-def assert_bitwise(a, b, what):
-    assert a.keys() == b.keys(), what
-    for k in a:
-        x, y = a[k], b[k]
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: {k}"
-        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), (
-            f"{what}: {k} differs"
-        )
-
-
 def state_kinds(opt):
     """The type of each parameter's exp_avg, by the parameter's name in Net."""
     names = ["up.weight", "mid.weight", "mid.bias", "norm.weight", "norm.bias", "down.weight"]
@@ -170,7 +163,7 @@ def test_release_on_equals_release_off(inner, recipe):
     on, off = runs[True], runs[False]
     assert torch.equal(on["losses"], off["losses"])
     for part in ("weights", "masters", "state"):
-        assert_bitwise(on[part], off[part], f"{inner} {recipe} {part}")
+        assert_bitwise_dicts(on[part], off[part], f"{inner} {recipe} {part}")
     # the run trained, and the schedule reached the inner optimizer
     assert not torch.equal(first["up.weight"], on["weights"]["up.weight"])
     assert float(on["lr"]) == pytest.approx(LR * 0.7**STEPS)
@@ -217,7 +210,7 @@ def test_resume_equals_the_uninterrupted_run(inner, recipe):
     assert torch.equal(torch.stack(head + tail), full)
     got = snapshot(model, opt)
     for part in ("weights", "masters", "state"):
-        assert_bitwise(got[part], ref[part], f"{inner} {recipe} resumed {part}")
+        assert_bitwise_dicts(got[part], ref[part], f"{inner} {recipe} resumed {part}")
 
 
 SHAPES = [(64, 64), (32, 64), (64,)]
@@ -271,7 +264,7 @@ def test_masters_step_as_the_optimizer_on_fp32_copies(inner):
                         theirs[f"{i}.{k}.{name}"] = getattr(v, name)
                 else:
                     theirs[f"{i}.{k}"] = v
-        assert_bitwise(mine, theirs, f"{inner} step {step} state")
+        assert_bitwise_dicts(mine, theirs, f"{inner} step {step} state")
 
 
 @pytest.mark.parametrize("inner", sorted(LOW_BIT))
@@ -327,7 +320,7 @@ def test_adamw_state_dtype_is_master_weights_over_that_class(state_dtype, expect
         ref.step()
     for m, r in zip(opt.masters[0], ref.masters[0]):
         assert torch.equal(m, r)
-    assert_bitwise(state_tensors(opt), state_tensors(ref), f"state_dtype={state_dtype}")
+    assert_bitwise_dicts(state_tensors(opt), state_tensors(ref), f"state_dtype={state_dtype}")
 
 
 def test_adamw_state_dtype_arguments_are_checked_by_name():
@@ -380,7 +373,7 @@ def test_capturable_on_cpu_is_refused_at_construction_and_in_add_param_group():
 
 
 # -m slow: the default run checks the same property on the small converted Net above in both
-# recipes (test_release_on_equals_release_off); this is the issue's case, a tiny Qwen3 (dense,
+# recipes (test_release_on_equals_release_off); this is a real model's case, a tiny Qwen3 (dense,
 # and MoE with its 3-D expert stacks, whose moments torchao quantizes too), where torchao
 # compiles its step for every distinct parameter shape (~40 s on 2 cores).
 @pytest.mark.slow
@@ -401,7 +394,7 @@ def test_qwen3_with_fp8_moments_release_on_equals_release_off(kind):
         del model, opt
     assert torch.equal(runs[True][0], runs[False][0])
     assert_same_weights(runs[True][1], runs[False][1], f"qwen3 {kind} fp8 moments")
-    assert_bitwise(runs[True][2], runs[False][2], f"qwen3 {kind} fp8 moments state")
+    assert_bitwise_dicts(runs[True][2], runs[False][2], f"qwen3 {kind} fp8 moments state")
     assert kinds == {"OptimStateFp8", "Tensor"}
 
 
@@ -414,37 +407,23 @@ def test_trainer_with_fp8_moments_release_on_equals_off_and_resumes(tmp_path):
     pytest.importorskip("transformers")
     from transformers import Trainer, TrainingArguments
 
+    from helpers.hf import Tokens, final_weights, losses_and_norms, trainer_args
     from helpers.models import make_model
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self):
-            self.ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(1))
-
-        def __len__(self):
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     def run(out, release, resume=None):
         cache.cache_clear()
         model = make_model("dense")
         zrw.convert(model, "mxfp8-32x32", release=release)
         args = TrainingArguments(
-            output_dir=str(out),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=4,
-            learning_rate=1e-3,
-            lr_scheduler_type="linear",
-            logging_steps=1,
-            save_strategy="steps",
-            save_steps=2,
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            data_seed=0,
-            disable_tqdm=True,
+            **trainer_args(
+                out,
+                max_steps=4,
+                learning_rate=1e-3,
+                lr_scheduler_type="linear",
+                save_strategy="steps",
+                save_steps=2,
+                data_seed=0,
+            )
         )
         trainer = Trainer(
             model=model,
@@ -454,12 +433,11 @@ def test_trainer_with_fp8_moments_release_on_equals_off_and_resumes(tmp_path):
         )
         trainer.train(resume_from_checkpoint=resume)
         assert type(trainer.optimizer.optimizer.inner) is ao.AdamWFp8
-        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-        return logs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return losses_and_norms(trainer), final_weights(model)
 
     on, off = run(tmp_path / "on", True), run(tmp_path / "off", False)
     assert on[0] == off[0] and len(on[0]) == 4
-    assert_bitwise(on[1], off[1], "Trainer fp8 moments")
+    assert_bitwise_dicts(on[1], off[1], "Trainer fp8 moments")
     resumed = run(tmp_path / "resumed", True, resume=str(tmp_path / "on" / "checkpoint-2"))
     assert resumed[0] == on[0]  # the checkpoint's 2 logged steps, then the 2 resumed ones
-    assert_bitwise(resumed[1], on[1], "Trainer fp8 moments resumed")
+    assert_bitwise_dicts(resumed[1], on[1], "Trainer fp8 moments resumed")

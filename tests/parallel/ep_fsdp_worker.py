@@ -19,25 +19,11 @@ VOCAB = 128
 
 
 def build(seed=0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The tiny Qwen3-MoE in FP32 (the caller casts it)."""
+    from helpers.models import make_model
 
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-        )
+    return make_model(
+        "moe", seed, vocab=VOCAB, heads=4, kv_heads=2, ffn=128, moe_ffn=64, dtype=None
     )
 
 

@@ -66,15 +66,7 @@ def run_single(args):
 
     model = build(args).to(torch.bfloat16)
     opt = zrw.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(args)
-    losses, _ = worker.train(
-        opt,
-        range(args.steps),
-        args.micro_batches,
-        lambda s, mb: (
-            model(data[s * args.micro_batches + mb].to(torch.bfloat16)).float().pow(2).mean()
-        ),
-    )
+    losses = worker.train_in_one_process(model, opt, batches(args), args)
     return losses, worker.masters_by_name(model, opt)
 
 
@@ -116,9 +108,7 @@ def train_2d(model, opt, mesh, args, data, steps, counts=None):
         opt,
         steps,
         args.micro_batches,
-        lambda s, mb: (
-            model(data[s * args.micro_batches + mb][rows].to(torch.bfloat16)).float().pow(2).mean()
-        ),
+        worker.mean_square_loss(model, data, args.micro_batches, rows, torch.bfloat16),
         group=mesh["dp"].get_group(),
         world=args.dp,
         gathered=counts,

@@ -38,21 +38,9 @@ LR = 1e-2  # AdamW
 
 
 def build(seed=0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from helpers.models import make_model
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).to(torch.bfloat16).train()
+    return make_model("dense", seed, vocab=VOCAB, layers=LAYERS, ffn=128)
 
 
 class Stage(nn.Module):

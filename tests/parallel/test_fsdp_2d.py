@@ -1,4 +1,4 @@
-"""Past one parallel axis (issue 22), on real process groups (gloo on CPU):
+"""Past one parallel axis, on real process groups (gloo on CPU):
 
 * FSDP2 x TP on one 2-D DeviceMesh: 4 ranks, mesh ("dp", "tp") = (2, 2), torchtitan's order:
   zrw.convert, parallelize_module on mesh["tp"] (fc1 Colwise, fc2 Rowwise), zrw.fsdp.prepare,

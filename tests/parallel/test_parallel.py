@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism (issue 13): real 2- and 4-rank runs (gloo on CPU), each launching
+"""Tensor and expert parallelism: real 2- and 4-rank runs (gloo on CPU), each launching
 tests/parallel/tp_worker.py once per rank.
 
 Tiny Qwen3 and Qwen3-MoE models are sharded by PyTorch's parallelize_module (DTensor TP) and by

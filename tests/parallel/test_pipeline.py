@@ -1,4 +1,4 @@
-"""Pipeline parallelism with torch.distributed.pipelining (issue 22): real 2- and 4-rank runs
+"""Pipeline parallelism with torch.distributed.pipelining: real 2- and 4-rank runs
 (gloo on CPU), each launching tests/parallel/pp_worker.py once per rank.
 
 A tiny Qwen3 (4 decoder layers), converted with zrw.convert, is split by layers into stages built
@@ -74,47 +74,25 @@ RECIPE = {
 SLACK = 4096
 
 
+def _launch(tmp_path_factory, name, cases, world=2):
+    """One launch of the worker on `world` ranks running `cases` one after the other."""
+    flags = ["--cases", ",".join(cases), "--steps", str(STEPS), "--micro", str(MICRO)]
+    return ranks.launch(WORKER, tmp_path_factory.mktemp(name), *flags, world=world)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return ranks.launch(
-        WORKER,
-        tmp_path_factory.mktemp("pp2"),
-        "--cases",
-        ",".join(TWO_RANK),
-        "--steps",
-        str(STEPS),
-        "--micro",
-        str(MICRO),
-    )
+    return _launch(tmp_path_factory, "pp2", TWO_RANK)
 
 
 @pytest.fixture(scope="module")
 def two_ranks_slow(tmp_path_factory):
-    return ranks.launch(
-        WORKER,
-        tmp_path_factory.mktemp("pp2s"),
-        "--cases",
-        ",".join(TWO_RANK_SLOW),
-        "--steps",
-        str(STEPS),
-        "--micro",
-        str(MICRO),
-    )
+    return _launch(tmp_path_factory, "pp2s", TWO_RANK_SLOW)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return ranks.launch(
-        WORKER,
-        tmp_path_factory.mktemp("pp4"),
-        "--cases",
-        ",".join(FOUR_RANK),
-        "--steps",
-        str(STEPS),
-        "--micro",
-        str(MICRO),
-        world=4,
-    )
+    return _launch(tmp_path_factory, "pp4", FOUR_RANK, world=4)
 
 
 def last_rank_losses(runs):

@@ -43,32 +43,11 @@ def build(
     releases them. act="fp32" keeps everything else (embeddings, norms, router, head) in FP32,
     so that activations, partial products and the engines' collectives are FP32 and a sharded
     run differs from the unsharded one by the order of FP32 sums only; act="bf16": all BF16."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from helpers.models import make_model
 
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=32,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=ffn, **common))
-    else:
-        model = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                intermediate_size=ffn,
-                moe_intermediate_size=moe_ffn,
-                num_experts=experts,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                **common,
-            )
-        )
+    sizes = dict(heads=heads, kv_heads=kv_heads, ffn=ffn, moe_ffn=moe_ffn, experts=experts)
+    model = make_model(kind, seed, vocab=VOCAB, layers=layers, dtype=None, **sizes)
+    if kind != "dense":
         # A zero router sends every token of the first step to the same two experts (a tie
         # that top-k breaks the same way for every token): the other experts get no token in
         # that step and must still be restored and written back exactly.
@@ -219,7 +198,7 @@ def run_case(case, args, world, rank):
     main_grad = case.get("main_grad", False)
     # The runs are compared with the unsharded one, which must route every token to the same
     # experts: the sharded runs sum in another FP32 order, and with the rceil scale rule (the
-    # recipes' default since issue 29) one near-tie of the MoE router flips a token on step 3
+    # recipes' default) one near-tie of the MoE router flips a token on step 3
     # (layer 1: 24/40 tokens against 23/41), after which the runs cannot be compared. The
     # scale rule is not what this worker tests: its comparisons keep the floor rule, whose
     # routing agrees.

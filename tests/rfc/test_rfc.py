@@ -13,6 +13,7 @@ from torch import nn
 import zrw
 import zrw.config
 import zrw.rfc
+from helpers.bitwise import same_bits
 from zrw import reference
 from zrw.fsdp import PreQuantWeight
 from zrw.rfc import (
@@ -101,10 +102,10 @@ def test_process_quant_result_fn_as_in_the_rfc(shape):
     )
     data, block = reference.mx_quantize_block(model_weight, E4M3, mode)
     assert weight_bwd is weight_fwd
-    assert torch.equal(weight_fwd.view(torch.uint8), data.view(torch.uint8))
+    assert same_bits(weight_fwd, data)
     for got, dim in ((scale_fwd, -1), (scale_bwd, -2)):
         want = reference.expand_block_scale(block, model_weight.shape, dim)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert same_bits(got, want)
     # the scales serve the GEMMs: dequantizing either view gives the same weight
     fwd = reference.mx_dequantize(weight_fwd, scale_fwd, -1, torch.float32)
     bwd = reference.mx_dequantize(weight_bwd, scale_bwd, -2, torch.float32)
@@ -118,7 +119,7 @@ def test_process_quant_result_fn_dst_type_scale_mode_and_errors():
         out = process_quant_result_fn(w, torch.float8_e5m2, cfg)
         ref = reference.mx_quantize_dual(w, E5M2, mode)
         assert out[0].dtype == E5M2
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, ref))
+        assert all(same_bits(a, b) for a, b in zip(out, ref))
     # "当 recipe_name 不支持时,抛出 ValueError"
     with pytest.raises(ValueError, match="recipe_name"):
         QuantizeConfig(recipe_name="mxfp8-64x64")
