@@ -10,6 +10,10 @@ module; neither imports the other.
 A zrw layer is any module that declares what it quantizes (`zrw_quantized`, the names of its
 parameters) and how (`recipe`): `is_zrw_layer`. zrw.fsdp, zrw.parallel and zrw.convert read
 that protocol, never a layer class.
+
+`unwrap_model` gives the model a `torch.compile` wrapper stands for: every public zrw function
+that takes a model calls it first, so that a compiled model is converted, prepared, saved,
+exported, loaded and measured as the model itself (its names, hooks and parameters).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
+import torch
 from torch import Tensor
+from torch._dynamo.eval_frame import OptimizedModule
 
 
 @dataclass(frozen=True)
@@ -80,3 +86,15 @@ class MXPlanesCarrier:
 def is_zrw_layer(module) -> bool:
     """A module that declares what it quantizes (`zrw_quantized`) and how (`recipe`)."""
     return bool(getattr(module, "zrw_quantized", None)) and hasattr(module, "recipe")
+
+
+def unwrap_model(model):
+    """The module a `torch.compile(model)` wrapper stands for (its `_orig_mod`, through any
+    number of wrappers), or `model` itself. The wrapper shares the model's parameters and
+    modules, but its names carry the prefix `_orig_mod.` and hooks installed on it are not the
+    model's own: zrw works on the model and leaves the wrapper as it is."""
+    while isinstance(model, OptimizedModule) and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module
+    ):
+        model = model._orig_mod
+    return model

@@ -12,7 +12,10 @@ from torch import nn
 from .. import cache, lifecycle
 from .._dtensor import local_tensor
 from ..config import QuantRecipe, get_recipe, known_recipes
-from ..planes import is_zrw_layer  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
+from ..planes import (
+    is_zrw_layer,  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
+    unwrap_model,
+)
 from ..record import find_record, module_record
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
@@ -104,11 +107,14 @@ def convert(
     order works. A sharded weight's `release_bytes` are its local shard's.
 
     Every argument is checked before the model is touched: a wrong type raises TypeError, a bad
-    value ValueError, each naming the argument, what was expected and what was found.
+    value ValueError, each naming the argument, what was expected and what was found. A
+    `torch.compile(model)` wrapper is converted as the model it wraps (`_orig_mod`): the same
+    names and hooks as `convert(model)`.
     """
     op = "zrw.convert"
     if not isinstance(model, nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    model = unwrap_model(model)  # torch.compile(model): the model itself (its names, its hooks)
     if not isinstance(recipe, (str, QuantRecipe)):
         raise TypeError(
             f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name "
@@ -271,6 +277,12 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
     Returns the names of the tied weights. The converted model runs this at the first forward
     of every optimizer step, and at every state_dict() and load_state_dict(); call it yourself
     after tying weights if the next thing you do is `model.apply(fn)` or a cast."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            "zrw.nn.convert.hold_tied_weights: model must be a torch.nn.Module, got "
+            f"{type(model).__name__}"
+        )
+    model = unwrap_model(model)
     owners: Dict[int, List[str]] = {}
     quantized: Dict[int, torch.Tensor] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
