@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from .config import (
 )
 from .fsdp import PreQuantWeight
 from .nn import ConvertSummary, MXGroupedLinear, MXLinear, convert
+from .planes import unwrap_model
 
 __all__ = [
     "MXFP8GMM",
@@ -58,6 +59,31 @@ __all__ = [
 MXFP8GMM = MXGroupedLinear
 
 _DST_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _skip_parts(skip) -> Tuple[str, ...]:
+    """QuantizeConfig.skip as a tuple of name parts: one str is ONE name part (as zrw.convert
+    takes it), an iterable must hold non-empty str; anything else names the field."""
+    if isinstance(skip, str):
+        skip = (skip,)
+    elif isinstance(skip, (bytes, bytearray, dict)) or not isinstance(skip, Iterable):
+        raise TypeError(
+            "QuantizeConfig: skip must be None, a str or an iterable of str (name parts of the "
+            f"modules kept in high precision), found {type(skip).__name__} ({skip!r})"
+        )
+    parts = tuple(skip)
+    for i, part in enumerate(parts):
+        if not isinstance(part, str):
+            raise TypeError(
+                f"QuantizeConfig: skip must hold str name parts, found skip[{i}] = {part!r} "
+                f"({type(part).__name__})"
+            )
+        if not part:
+            raise ValueError(
+                f"QuantizeConfig: skip[{i}] is the empty string, which every module name "
+                "contains: it would skip every module"
+            )
+    return parts
 
 
 @dataclass
@@ -103,7 +129,7 @@ class QuantizeConfig:
                     f"QuantizeConfig: {name} must be a bool, found {getattr(self, name)!r}"
                 )
         if self.skip is not None:
-            self.skip = (self.skip,) if isinstance(self.skip, str) else tuple(self.skip)
+            self.skip = _skip_parts(self.skip)
 
     @property
     def recipe(self) -> QuantRecipe:
@@ -123,6 +149,11 @@ def convert_model(model: nn.Module, config: QuantizeConfig) -> ConvertSummary:
             f"zrw.rfc.convert_model: config must be a zrw.rfc.QuantizeConfig, got "
             f"{type(config).__name__}"
         )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"zrw.rfc.convert_model: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    model = unwrap_model(model)  # torch.compile(model): the model it wraps
     summary = convert(model, config.recipe, release=config.release, skip=config.skip)
     if config.enable_fsdp_low_precision_all_gather:
         fsdp.prepare(model, both_planes=config.all_gather_both_planes)
@@ -133,7 +164,10 @@ def _recipe_of(config) -> QuantRecipe:
     if isinstance(config, QuantizeConfig):
         return config.recipe
     if isinstance(config, (QuantRecipe, str)):
-        return get_recipe(config)  # ValueError for an unknown name
+        try:
+            return get_recipe(config)
+        except ValueError as e:  # an unknown name: the message names this argument
+            raise ValueError(f"process_quant_result_fn: config: {e}") from None
     raise TypeError(
         f"process_quant_result_fn: config must be a zrw.rfc.QuantizeConfig (or a "
         f"QuantRecipe / registered recipe name), got {type(config).__name__}"
@@ -159,15 +193,15 @@ def process_quant_result_fn(
     Scales are torch.float8_e8m0fnu. A recipe zrw does not know raises ValueError (from
     get_recipe); a dst_type that is not an fp8 element format raises ValueError.
     """
-    recipe = _recipe_of(config)
-    if dst_type not in _DST_TYPES:
-        raise ValueError(
-            f"process_quant_result_fn: dst_type must be torch.float8_e4m3fn or "
-            f"torch.float8_e5m2, got {dst_type!r}"
-        )
     if not isinstance(weight, Tensor):
         raise TypeError(
             f"process_quant_result_fn: weight must be a torch.Tensor, got {type(weight).__name__}"
+        )
+    recipe = _recipe_of(config)
+    if not isinstance(dst_type, torch.dtype) or dst_type not in _DST_TYPES:
+        raise ValueError(
+            f"process_quant_result_fn: dst_type must be torch.float8_e4m3fn or "
+            f"torch.float8_e5m2, got {dst_type!r}"
         )
     if weight.dim() not in (2, 3):
         raise ValueError(

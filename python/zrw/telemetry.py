@@ -23,9 +23,12 @@ and reports per (layer, tensor):
               the block's largest value fits).
   flushed     fraction of elements that are not zero but quantize to zero (underflow)
 
-Weights are read once per optimizer step (zrw.cache's step counter): from the FP32 master
-rounded to the weight's dtype where zrw.optim.MasterWeights holds one (bitwise what the layer
-quantizes, also while the BF16 weight is released), else from the weight itself. Activations
+Weights are read once per optimizer step (zrw.cache's step counter), as the value the layer
+quantizes: a weight that is not released is its own storage (also right after a
+`load_state_dict`, an `apply` or a write through `.data`: its FP32 master takes that value only
+at its next use in training); a released weight is its FP32 master rounded to the weight's
+dtype (bitwise what the layer quantizes; zrw.cache.master_of); a frozen weight released for
+good without a master is not measured (its FP8 copy is its only value). Activations
 and gradients are measured at every call inside the block and summed over calls (a forward
 hook, and a gradient hook on the layer's output). Grouped-expert layers (3-D weights) report
 their weights only. `recipe=` also measures the plain nn.Linear layers of an unconverted model
@@ -34,21 +37,28 @@ both scale rules, whatever the layers use, to compare them on the same values.
 
 Nothing changes what the model computes: the hooks read tensors and return nothing, and outside
 the block there are no hooks at all (zero cost when off). Inside it each measured tensor costs
-one extra quantize and dequantize. Eager-mode only (the hooks read tensor values).
+one extra quantize and dequantize. The hooks run eagerly (they read tensor values): a
+`torch.compile(model)` wrapper is measured as the model it wraps, with a graph break at each
+measured layer while the block is open.
+
+Arguments are checked when the collector is made, each error naming the argument, what was
+expected and what was found: `tensors`, `layers` and `scale_modes` take one str (one tensor
+kind, one name part, one scale rule) or an iterable of str, never a str's characters; a name
+part in `layers` that matches no measured layer is refused (a typo would measure nothing).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import cache, ops
 from .config import QuantRecipe, get_recipe
-from .planes import MXPlanesCarrier, is_zrw_layer
+from .planes import MXPlanesCarrier, is_zrw_layer, unwrap_model
 
 __all__ = ["QuantStats", "NumericsTelemetry", "collect", "quant_stats", "TENSORS"]
 
@@ -70,7 +80,21 @@ class QuantStats:
     noise: float = 0.0
     calls: int = 0
 
+    def __post_init__(self):
+        for name in ("elements", "nonzero", "saturated", "flushed", "calls"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TypeError(f"zrw.telemetry.QuantStats: {name} must be an int >= 0, got {v!r}")
+        for name in ("signal", "noise"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"zrw.telemetry.QuantStats: {name} must be a float, got {v!r}")
+
     def add(self, other: "QuantStats") -> "QuantStats":
+        if not isinstance(other, QuantStats):
+            raise TypeError(
+                f"QuantStats.add: other must be a QuantStats, got {type(other).__name__}"
+            )
         for name in ("elements", "nonzero", "saturated", "flushed", "signal", "noise", "calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
@@ -123,10 +147,34 @@ def quant_stats(
     32x32 tile of the last two dims (zrw.ops.mx_quantize_block; x is (N, K) or (E, N, K)).
     Elements of blocks holding NaN or Inf are left out of the sums (their scale is NaN).
     """
+    op = "zrw.telemetry.quant_stats"
     if not isinstance(x, Tensor):
-        raise TypeError(
-            f"zrw.telemetry.quant_stats: x must be a torch.Tensor, got {type(x).__name__}"
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+    if not isinstance(block_32x32, bool):
+        raise TypeError(f"{op}: block_32x32 must be a bool, got {type(block_32x32).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{op}: dim must be an int, got {type(dim).__name__}")
+    if block_32x32:
+        if x.dim() not in (2, 3):
+            raise ValueError(
+                f"{op}: x must be 2-d (N, K) or 3-d (E, N, K) with block_32x32=True, got "
+                f"shape {tuple(x.shape)}"
+            )
+    elif x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension, got a 0-d tensor")
+    elif not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{op}: dim must be in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, "
+            f"got {dim}"
         )
+    if not isinstance(elem_dtype, torch.dtype) or elem_dtype not in _ELEM_MAX:
+        raise TypeError(
+            f"{op}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype!r}"
+        )
+    if not isinstance(scale_mode, str) or scale_mode not in ops.SCALE_MODES:
+        raise ValueError(f"{op}: scale_mode must be one of {ops.SCALE_MODES}, got {scale_mode!r}")
     x = x.detach()
     if x.numel() == 0:
         return QuantStats(calls=1)
@@ -169,26 +217,49 @@ class _Layer:
 
 
 def _weight_value(w: Tensor) -> Optional[Tensor]:
-    """What the layer quantizes: bf16 of the FP32 master where one is registered (the BF16-free
-    step keeps the weight released), else the weight itself; None where neither is readable."""
+    """The value the layer quantizes, as zrw.cache and zrw.state_dict decide it: a weight that
+    is not released holds it in its storage (a weight loaded, initialized or written since its
+    optimizer's last write-back holds the new value, and its master takes it only at the
+    weight's next use in training); a released weight's value is its FP32 master rounded to
+    its dtype (zrw.cache.master_of). None where there is nothing to compare with: FSDP2's
+    gathered planes, a frozen weight released for good without a master (its FP8 copy is its
+    only value)."""
     if isinstance(w, MXPlanesCarrier):
         return None  # FSDP2's gathered planes: no values to compare with
-    master = cache.master_of(w)
-    if master is not None:
-        return master.detach().to(w.dtype)
-    if cache.is_released(w):
-        return None
     local = w.to_local() if hasattr(w, "to_local") else w
-    return local.detach()
+    if not cache.cache_state(local).released:
+        return local.detach()
+    master = cache.master_of(local)
+    return None if master is None else master.detach().to(local.dtype)
+
+
+def _names(op: str, arg: str, value, what: str) -> Tuple[str, ...]:
+    """`value` as a tuple of str: one str is ONE name (never its characters), else an iterable
+    of str; anything else is the TypeError that names the argument."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (bytes, bytearray, dict)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{op}: {arg} must be a str or an iterable of str ({what}), got {type(value).__name__}"
+        )
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, str):
+            raise TypeError(
+                f"{op}: {arg} must hold str ({what}), got {arg}[{i}] = {v!r} ({type(v).__name__})"
+            )
+    return out
 
 
 class NumericsTelemetry:
     """Collects QuantStats per layer and tensor while installed (see the module docstring).
 
-    `model`: any nn.Module; its zrw layers are measured (with `recipe`, also its plain
-    nn.Linear layers). `tensors`: which of TENSORS to measure. `layers`: optional name parts; a
-    layer is measured when its qualified name contains one of them. `scale_modes`: measure
-    under these scale rules instead of each layer's own.
+    `model`: any nn.Module (a `torch.compile` wrapper: the model it wraps); its zrw layers are
+    measured (with `recipe`, also its plain nn.Linear layers). `tensors`: which of TENSORS to
+    measure, one name or several. `layers`: optional name parts, one str or several; a layer is
+    measured when its qualified name contains one of them (`layers="fc1"` is `["fc1"]`, and
+    also measures "fc10"; a part that matches no measured layer raises ValueError).
+    `scale_modes`: measure under these scale rules (one or several) instead of each layer's own.
 
     Use as a context manager (`with collect(model) as tel:`) or with start() / stop().
     """
@@ -197,33 +268,51 @@ class NumericsTelemetry:
         self,
         model: nn.Module,
         *,
-        tensors: Iterable[str] = TENSORS,
-        recipe: str | QuantRecipe | None = None,
-        layers: Optional[Iterable[str]] = None,
-        scale_modes: Optional[Sequence[str]] = None,
+        tensors: Union[str, Iterable[str]] = TENSORS,
+        recipe: Union[str, QuantRecipe, None] = None,
+        layers: Union[str, Iterable[str], None] = None,
+        scale_modes: Union[str, Sequence[str], None] = None,
     ):
         op = "zrw.telemetry.NumericsTelemetry"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.tensors = tuple(tensors)
+        model = unwrap_model(model)  # torch.compile(model): the model's own names and modules
+        self.tensors = _names(op, "tensors", tensors, f"among {TENSORS}")
         unknown = [t for t in self.tensors if t not in TENSORS]
-        if unknown:
-            raise ValueError(f"{op}: tensors must be among {TENSORS}, got {unknown}")
+        if unknown or not self.tensors:
+            raise ValueError(
+                f"{op}: tensors must name at least one of {TENSORS}, got {self.tensors!r}"
+            )
         if scale_modes is not None:
-            scale_modes = tuple(scale_modes)
+            scale_modes = _names(op, "scale_modes", scale_modes, f"among {ops.SCALE_MODES}")
             bad = [m for m in scale_modes if m not in ops.SCALE_MODES]
             if bad or not scale_modes:
                 raise ValueError(
-                    f"{op}: scale_modes must be a non-empty sequence of "
+                    f"{op}: scale_modes must be None or name at least one of "
                     f"{ops.SCALE_MODES}, got {scale_modes!r}"
                 )
         self.scale_modes = scale_modes
-        default = None if recipe is None else get_recipe(recipe)
-        parts = None if layers is None else tuple(layers)
+        if recipe is not None and not isinstance(recipe, (str, QuantRecipe)):
+            raise TypeError(
+                f"{op}: recipe must be None, a zrw.QuantRecipe or a registered recipe name, "
+                f"got {type(recipe).__name__}"
+            )
+        try:
+            default = None if recipe is None else get_recipe(recipe)
+        except ValueError as e:
+            raise ValueError(f"{op}: recipe: {e}") from None
+        parts = None
+        if layers is not None:
+            parts = _names(op, "layers", layers, "name parts of the layers to measure")
+            for i, part in enumerate(parts):
+                if not part:
+                    raise ValueError(
+                        f"{op}: layers[{i}] is the empty string, which every layer name "
+                        "contains; pass layers=None to measure every layer"
+                    )
         self._layers: List[_Layer] = []
+        matched = set()
         for name, m in model.named_modules():
-            if parts is not None and not any(p in name for p in parts):
-                continue
             if is_zrw_layer(m):
                 weights = tuple(m.zrw_quantized)
                 rcp = m.recipe
@@ -231,10 +320,31 @@ class NumericsTelemetry:
                 weights, rcp = ("weight",), default
             else:
                 continue
+            if parts is not None:
+                hits = [p for p in parts if p in name]
+                if not hits:
+                    continue
+                matched.update(hits)
             w0 = getattr(m, weights[0])
             linear = weights == ("weight",) and w0.dim() == 2
             self._layers.append(_Layer(name, m, rcp, weights, linear))
+        if parts is not None:
+            unmatched = [p for p in parts if p not in matched]
+            if unmatched:
+                raise ValueError(
+                    f"{op}: layers holds name parts that match no layer it measures: "
+                    f"{unmatched} (the layers it measures: "
+                    f"{self._measurable(model, default)[:8]})"
+                )
         self._handles: list = []
+
+    @staticmethod
+    def _measurable(model: nn.Module, default) -> List[str]:
+        return [
+            n
+            for n, m in model.named_modules()
+            if is_zrw_layer(m) or (default is not None and type(m) is nn.Linear)
+        ]
 
     # ---- installing ----------------------------------------------------------------------
     def start(self) -> "NumericsTelemetry":
@@ -283,6 +393,7 @@ class NumericsTelemetry:
         else:
             layer.stats[key] = stats
 
+    @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
     @torch.no_grad()
     def _pre_forward(self, layer: _Layer, args) -> None:
         rcp = layer.recipe
@@ -309,6 +420,7 @@ class NumericsTelemetry:
             for mode in self._modes(layer):
                 self._add(layer, "activation", mode, quant_stats(args[0], -1, rcp.elem_dtype, mode))
 
+    @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
     def _post_forward(self, layer: _Layer, out) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
 
@@ -380,6 +492,10 @@ class NumericsTelemetry:
 
     def table(self, pooled: bool = False) -> str:
         """A readable table of records() (or of summary() with pooled=True)."""
+        if not isinstance(pooled, bool):
+            raise TypeError(
+                f"NumericsTelemetry.table: pooled must be a bool, got {type(pooled).__name__}"
+            )
         rows = self.summary() if pooled else self.records()
         first = "recipe" if pooled else "layer"
         header = [first, "tensor", "scale", "SQNR dB", "saturated", "flushed", "elements"]
@@ -406,6 +522,15 @@ class NumericsTelemetry:
         return "\n".join(lines)
 
 
-def collect(model: nn.Module, **kwargs) -> NumericsTelemetry:
-    """NumericsTelemetry(model, **kwargs), to use as `with zrw.telemetry.collect(model) as t:`."""
-    return NumericsTelemetry(model, **kwargs)
+def collect(
+    model: nn.Module,
+    *,
+    tensors: Union[str, Iterable[str]] = TENSORS,
+    recipe: Union[str, QuantRecipe, None] = None,
+    layers: Union[str, Iterable[str], None] = None,
+    scale_modes: Union[str, Sequence[str], None] = None,
+) -> NumericsTelemetry:
+    """NumericsTelemetry(model, ...), to use as `with zrw.telemetry.collect(model) as t:`."""
+    return NumericsTelemetry(
+        model, tensors=tensors, recipe=recipe, layers=layers, scale_modes=scale_modes
+    )

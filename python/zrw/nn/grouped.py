@@ -20,6 +20,7 @@ from ..config import QuantRecipe, get_recipe
 from ..state_dict import NamedWeight, ReleasedWeightsStateDict, restamp_names
 from ..weights import WeightPolicy
 from .functional import checked_counts, grouped_linear, mx_grouped_linear  # noqa: F401
+from .linear import check_layer_init
 
 
 class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
@@ -40,12 +41,18 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         release_frozen: bool = False,
         main_grad: bool = False,
     ):
+        rcp = check_layer_init(
+            "zrw.nn.grouped.MXGroupedLinear",
+            {"num_experts": num_experts, "in_features": in_features, "out_features": out_features},
+            {"release": release, "release_frozen": release_frozen, "main_grad": main_grad},
+            recipe,
+        )
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype)
         )
         nn.init.normal_(self.weight, std=in_features**-0.5)
-        self.recipe = get_recipe(recipe)
+        self.recipe = rcp
         self.release = release
         self.release_frozen = release_frozen
         self.main_grad = main_grad
@@ -95,12 +102,17 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         name: str = "",
         main_grad: bool = False,
     ):
-        super().__init__()
-        if not is_fused_experts(source):
+        op = "zrw.nn.grouped.MXFusedExperts"
+        if not isinstance(source, nn.Module) or not is_fused_experts(source):
             raise TypeError(
-                f"MXFusedExperts: {type(source).__name__} is not a fused-experts "
-                "module (3-d gate_up_proj and down_proj parameters, act_fn)"
+                f"{op}: source must be a fused-experts module (3-d gate_up_proj and down_proj "
+                f"parameters, act_fn), got {type(source).__name__}"
             )
+        flags = {"release": release, "release_frozen": release_frozen, "main_grad": main_grad}
+        recipe = check_layer_init(op, {}, flags, recipe)
+        if not isinstance(name, str):
+            raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
+        super().__init__()
         self.gate_up_proj = source.gate_up_proj
         self.down_proj = source.down_proj
         self.act_fn = source.act_fn

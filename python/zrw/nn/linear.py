@@ -15,6 +15,29 @@ from ..weights import WeightPolicy
 from .functional import INPUT_DTYPES, apply_mx_linear, check_layer_args, linear, mx_linear  # noqa: F401,E501
 
 
+def check_layer_init(op: str, sizes: dict, flags: dict, recipe) -> QuantRecipe:
+    """The constructor arguments zrw's layer classes share, each refused with an error that
+    names it before the layer is built: sizes are ints >= 0, flags bools, the recipe a
+    QuantRecipe or a registered name. Returns the recipe."""
+    for arg, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{op}: {arg} must be an int, got {type(value).__name__} ({value!r})")
+        if value < 0:
+            raise ValueError(f"{op}: {arg} must be >= 0, got {value}")
+    for arg, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__} ({value!r})")
+    if not isinstance(recipe, (str, QuantRecipe)):
+        raise TypeError(
+            f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name, got "
+            f"{type(recipe).__name__}"
+        )
+    try:
+        return get_recipe(recipe)
+    except ValueError as e:
+        raise ValueError(f"{op}: recipe: {e}") from None
+
+
 def cache_recipe(recipe: QuantRecipe) -> str:
     """The native cache's weight layout for a recipe (QuantRecipe.cache_layout)."""
     return recipe.cache_layout
@@ -46,8 +69,19 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         device=None,
         dtype=None,
     ):
+        rcp = check_layer_init(
+            "zrw.nn.linear.MXLinear",
+            {"in_features": in_features, "out_features": out_features},
+            {
+                "bias": bias,
+                "release": release,
+                "release_frozen": release_frozen,
+                "main_grad": main_grad,
+            },
+            recipe,
+        )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = get_recipe(recipe)
+        self.recipe = rcp
         self.release = release
         self.release_frozen = release_frozen
         self.main_grad = main_grad
@@ -64,6 +98,13 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         name: str = "",
     ) -> "MXLinear":
         """An MXLinear that takes over `linear`'s parameters (the same Parameter objects)."""
+        op = "MXLinear.from_linear"
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{op}: linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        flags = {"release": release, "release_frozen": release_frozen, "main_grad": main_grad}
+        recipe = check_layer_init(op, {}, flags, recipe)
+        if not isinstance(name, str):
+            raise TypeError(f"{op}: name must be a str, got {type(name).__name__}")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.in_features, m.out_features = linear.in_features, linear.out_features
