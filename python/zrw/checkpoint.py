@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import struct
 import threading
 import uuid
@@ -43,7 +44,7 @@ from ._dtensor import is_dtensor, local_tensor
 
 # zrw.frozen and zrw.state_dict (lower levels) hold these; this module is their public home.
 from .frozen import FROZEN_MODES, frozen_mode, frozen_values  # noqa: F401
-from .planes import MXPlanesCarrier, is_zrw_layer
+from .planes import MXPlanesCarrier, is_zrw_layer, unwrap_model
 from .record import find_record
 from .state_dict import (  # noqa: F401
     deferred,
@@ -72,12 +73,18 @@ _DTYPES = {
 }
 
 
+def _model(op: str, model) -> torch.nn.Module:
+    """`model` checked, and unwrapped where it is a `torch.compile` wrapper: its `_orig_mod`
+    is the model, so the names saved, exported or loaded are the model's own (without the
+    wrapper's `_orig_mod.` prefix)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return unwrap_model(model)
+
+
 def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
     """model.state_dict() with each released weight as itself (materialized later)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"zrw.checkpoint: model must be a torch.nn.Module, got {type(model).__name__}"
-        )
+    model = _model("zrw.checkpoint", model)
     with deferred():
         return model.state_dict()
 
@@ -128,11 +135,7 @@ def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     asking for the next to keep at most one in memory. A released weight without a master
     raises a named error when reached. A `model` that is not an nn.Module raises TypeError at
     the call, before anything is iterated."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"zrw.checkpoint.iter_state_dict: model must be a torch.nn.Module, got "
-            f"{type(model).__name__}"
-        )
+    model = _model("zrw.checkpoint.iter_state_dict", model)
 
     def entries() -> Iterator[Tuple[str, Tensor]]:
         for name, t in _plan(model).items():
@@ -156,8 +159,7 @@ def save_safetensors(
     complete: concurrent saves to one path (threads or processes) each write their own file,
     and `path` ends as one of them, whole."""
     op = "zrw.checkpoint.save_safetensors"
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    model = _model(op, model)
     path = _checked_path(op, path)
     plan = _plan(model)
     if metadata is None:
@@ -316,8 +318,7 @@ def _mx_plan(
     """model.state_dict() (released weights as themselves) and, by state-dict name, the
     converted weights to export as MX; every refusal is raised here, before anything is
     quantized, built or written."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    model = _model(op, model)
     plan = _plan(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     mx: Dict[str, _MXEntry] = {}
@@ -512,15 +513,19 @@ def export_mx(
     _torchao(op)
     if path is None:
         return dict(iter_mx_state_dict(model, kernel=kernel, experts=experts))
-    _write_mx_file(op, path, plan, mx, kernel, {})
+    header, names, produce = _mx_file(op, plan, mx, kernel)
+    _write_file(path, header, names, produce)
     return None
 
 
-def _write_mx_file(op, path, plan, mx, kernel, extra_metadata: Dict[str, str]) -> None:
+def _mx_file(op, plan, mx, kernel):
+    """The safetensors file of an MX export, checked and laid out, nothing written yet:
+    (header, file names in order, produce(file name) -> the tensor to write). Every refusal
+    is raised here, before any file is opened or created."""
     from torchao.prototype.safetensors.safetensors_utils import TensorSubclassAttributeJSONEncoder
 
     header: Dict[str, object] = {}
-    metadata: Dict[str, str] = {"format": "pt", **extra_metadata}
+    metadata: Dict[str, str] = {"format": "pt"}
     parts: Dict[str, Tuple[str, str]] = {}  # file name -> (state-dict name, "qdata"/"scale")
     shapes: list = []
     for name, t in plan.items():
@@ -585,7 +590,7 @@ def _write_mx_file(op, path, plan, mx, kernel, extra_metadata: Dict[str, str]) -
             return data
         return held.pop(name)
 
-    _write_file(path, header, [f for f, _, _ in shapes], produce)
+    return header, [f for f, _, _ in shapes], produce
 
 
 def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Module:
@@ -593,10 +598,15 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
     the same architecture (e.g. built from the same config): each exported weight becomes an
     `nn.Parameter(MXTensor, requires_grad=False)` (torchao's MX inference weight: nn.Linear
     runs it through torchao's MX linear), every other entry is loaded as it was saved.
-    Returns `model`. Raises, naming the entries, where the file does not match the model."""
+    Returns `model` (a `torch.compile` wrapper: the wrapper, its model loaded).
+
+    All or nothing, as a converted model's `load_state_dict`: every entry of the file is
+    checked against the model first (each MX weight names a parameter of its shape, each other
+    entry a parameter or buffer of its shape, and every entry of the model is in the file);
+    where any does not match, the error names each mismatch and nothing was written."""
     op = "zrw.checkpoint.load_mx"
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    given = model
+    model = _model(op, model)
     path = _checked_path(op, path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{op}: path {path!r} does not exist")
@@ -628,27 +638,90 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
     plain = {k: v for k, v in state.items() if k not in mx}
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
+    # What load_state_dict(strict=True) would write into (the model's persistent entries):
+    # every entry is checked against it before the first one is written.
+    targets = model.state_dict(keep_vars=True)
+    errors = []
     for name, t in mx.items():
         prefix, _, pname = name.rpartition(".")
         old = params.get(name)
         if old is None or prefix not in modules:
-            raise ValueError(f"{op}: {path!r} holds MX weight '{name}', which model has not")
-        if tuple(old.shape) != tuple(t.shape):
-            raise ValueError(
-                f"{op}: MX weight '{name}' has shape {tuple(t.shape)} in {path!r}, the model's "
+            errors.append(f"MX weight '{name}' is in the file, but the model has no such parameter")
+        elif tuple(old.shape) != tuple(t.shape):
+            errors.append(
+                f"MX weight '{name}' has shape {tuple(t.shape)} in the file, the model's "
                 f"parameter has {tuple(old.shape)}"
             )
-    result = model.load_state_dict(plain, strict=False)
-    missing = [k for k in result.missing_keys if k not in mx]
-    if missing or result.unexpected_keys:
+    for name, t in plain.items():
+        if name not in targets:
+            errors.append(f"'{name}' is in the file, but the model has no such entry")
+            continue
+        target = targets[name]
+        if not isinstance(target, Tensor):
+            continue  # a module's extra state: its own set_extra_state checks it
+        if not isinstance(t, Tensor):
+            errors.append(f"'{name}' must be a tensor in the file, found {type(t).__name__}")
+        elif tuple(t.shape) != tuple(target.shape) and not (
+            target.dim() == 0 and tuple(t.shape) == (1,)
+        ):
+            errors.append(
+                f"'{name}' has shape {tuple(t.shape)} in the file, the model's has "
+                f"{tuple(target.shape)}"
+            )
+    missing = [k for k in targets if k not in state]
+    if missing:
+        errors.append(
+            f"the model's entries {missing[:5]}{' and more' if len(missing) > 5 else ''} are "
+            "not in the file"
+        )
+    if errors:
         raise ValueError(
-            f"{op}: {path!r} does not match model: missing {missing[:5]}, unexpected "
-            f"{result.unexpected_keys[:5]}"
+            f"{op}: {path!r} does not match model (checked before anything was written; the "
+            "model is unchanged):\n\t" + "\n\t".join(errors)
+        )
+    result = model.load_state_dict(plain, strict=False)
+    if result.unexpected_keys or [k for k in result.missing_keys if k not in mx]:
+        raise RuntimeError(  # pragma: no cover - every key was checked above
+            f"{op}: internal error: keys not checked before the load: "
+            f"{result.unexpected_keys} {result.missing_keys}"
         )
     for name, t in mx.items():
         prefix, _, pname = name.rpartition(".")
         setattr(modules[prefix], pname, torch.nn.Parameter(t, requires_grad=False))
-    return model
+    return given
+
+
+def _checked_directory(op: str, save_directory) -> str:
+    """`save_directory` as a str naming a directory (existing or not), or the error that
+    names it; nothing is created here."""
+    if not isinstance(save_directory, (str, os.PathLike)):
+        raise TypeError(
+            f"{op}: save_directory must be a str or an os.PathLike, got "
+            f"{type(save_directory).__name__}"
+            + (" (decode it: os.fsdecode(...))" if isinstance(save_directory, bytes) else "")
+        )
+    path = os.fspath(save_directory)
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{op}: save_directory must be a str or an os.PathLike giving a str, got an "
+            f"os.PathLike giving {type(path).__name__}"
+        )
+    if not path:
+        raise ValueError(f"{op}: save_directory must name a directory, got ''")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{op}: save_directory {path!r} is a file, not a directory")
+    return path
+
+
+def _existing_ancestor(path: str) -> str:
+    """`path` if it is a directory, else its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def save_mx_pretrained(
@@ -663,9 +736,17 @@ def save_mx_pretrained(
     MXDynamicActivationMXWeightConfig(...)) (the recipe's element dtype and scale rule,
     `kernel`), `generation_config.json` where the model has one, and `model.safetensors`
     written by `export_mx` (one tensor at a time). `model` is a converted transformers
-    model (it has `config.save_pretrained`); its own config is left unchanged."""
+    model (it has `config.save_pretrained`; a `torch.compile` wrapper of one); its own config
+    is left unchanged.
+
+    All or nothing: every check runs before anything is created, and the files are written
+    into a temporary directory that takes `save_directory`'s place (or whose files replace
+    those of an existing `save_directory`) only once all of them are complete, so a refused or
+    failed call creates no directory and leaves no file behind."""
     op = "zrw.checkpoint.save_mx_pretrained"
     _check_kernel(op, kernel)
+    model = _model(op, model)
+    save_directory = _checked_directory(op, save_directory)
     plan, mx = _mx_plan(op, model, _check_experts(op, experts))
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -685,10 +766,6 @@ def save_mx_pretrained(
             f"{op}: the converted weights use several element dtypes / scale rules "
             f"({sorted(str(r) for r in recipes)}); one torchao config describes one"
         )
-    save_directory = os.fspath(save_directory)
-    if os.path.exists(save_directory) and not os.path.isdir(save_directory):
-        raise ValueError(f"{op}: save_directory {save_directory!r} is a file")
-    os.makedirs(save_directory, exist_ok=True)
     from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
     from transformers import TorchAoConfig
 
@@ -702,12 +779,31 @@ def save_mx_pretrained(
             scaling_mode=Mode.RCEIL if mode == "rceil" else Mode.FLOOR,
         )
     )
-    _write_mx_file(op, os.path.join(save_directory, "model.safetensors"), plan, mx, kernel, {})
+    header, names, produce = _mx_file(op, plan, mx, kernel)
     config = copy.deepcopy(config)  # the model's own config stays as it is
     config.quantization_config = qc
     # from_pretrained's dtype="auto" reads it (it cannot infer one from E8M0 scales).
     config.dtype = next(iter(dtypes))
-    config.save_pretrained(save_directory)
     gen = getattr(model, "generation_config", None)
-    if gen is not None and hasattr(gen, "save_pretrained"):
-        gen.save_pretrained(save_directory)
+    # Staged next to (or inside) the target, on its file system: a rename puts it in place.
+    # (mkdir, not mkdtemp: the directory gets the mode of any other the user creates.)
+    staging = os.path.join(
+        _existing_ancestor(save_directory),
+        f".zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}",
+    )
+    os.mkdir(staging)
+    try:
+        _write_file(os.path.join(staging, "model.safetensors"), header, names, produce)
+        config.save_pretrained(staging)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            gen.save_pretrained(staging)
+        if os.path.isdir(save_directory):
+            for fname in sorted(os.listdir(staging)):
+                os.replace(os.path.join(staging, fname), os.path.join(save_directory, fname))
+        else:
+            parent = os.path.dirname(os.path.abspath(save_directory))
+            os.makedirs(parent, exist_ok=True)
+            os.rename(staging, save_directory)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
