@@ -24,6 +24,7 @@ when the optimizer step is the peak.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -361,9 +362,10 @@ def print_report(s: dict) -> None:
             )
 
 
-def plot(summaries: List[dict], path: str) -> None:
+def plot(summaries: List[dict], path) -> None:
     """Loss curves of the three modes; live memory through one step; and, for the
-    zero-redundancy run, the weight lifecycle: BF16 bytes resident vs FP8 bytes cached."""
+    zero-redundancy run, the weight lifecycle: BF16 bytes resident vs FP8 bytes cached.
+    `path`: a file name or a binary file object (the PNG is written to it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -447,7 +449,7 @@ def plot(summaries: List[dict], path: str) -> None:
         ax.set_ylabel("MiB")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -477,6 +479,19 @@ def run(c: DemoConfig) -> List[dict]:
     return summaries
 
 
+def _write_whole(path: str, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path` that replaces it once complete: `path`
+    is never left truncated or half written."""
+    tmp = f"{path}.zrw-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="zrw-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -494,8 +509,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    # Every refusal comes here, before anything runs and before anything is written.
     if a.steps < 1 or a.micro_batches < 1:
         p.error(f"--steps and --micro-batches must be >= 1, got {a.steps} and {a.micro_batches}")
+    small = [
+        f"--{n.replace('_', '-')} {getattr(a, n)}"
+        for n in ("batch", "seq", "hidden", "layers")
+        if getattr(a, n) < 1
+    ]
+    if small:
+        p.error(f"--batch, --seq, --hidden and --layers must be >= 1, got {', '.join(small)}")
+    if not a.out:
+        p.error("--out must name a directory, got ''")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out must name a directory (for demo.png and demo.json), got the file {a.out!r}")
+    try:
+        import matplotlib  # noqa: F401  (the plot: checked before the run, not after it)
+    except ImportError as e:
+        p.error(f"the plot (demo.png) needs matplotlib: pip install matplotlib ({e})")
     c = DemoConfig(
         model=a.model,
         recipe=a.recipe,
@@ -510,9 +541,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     warnings.filterwarnings("ignore", category=UserWarning)
     summaries = run(c)
-    os.makedirs(c.out, exist_ok=True)
     png = os.path.join(c.out, "demo.png")
-    plot(summaries, png)
     report = {
         "config": c.__dict__,
         "models": summaries,
@@ -520,8 +549,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "torch": torch.__version__,
         "zrw": zrw.__version__,
     }
-    with open(os.path.join(c.out, "demo.json"), "w") as f:
-        json.dump(report, f)
+    # Both outputs are made in memory first; a failure there creates no directory and no file.
+    image = io.BytesIO()
+    plot(summaries, image)
+    text = json.dumps(report)
+    os.makedirs(c.out, exist_ok=True)
+    _write_whole(png, image.getvalue())
+    _write_whole(os.path.join(c.out, "demo.json"), text.encode())
     if a.json:
         print(json.dumps(report))
     else:

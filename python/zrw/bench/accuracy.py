@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import os
@@ -562,9 +563,9 @@ def print_report(r: dict) -> None:
     _print_rows(rows)
 
 
-def plot(r: dict, path: str) -> None:
+def plot(r: dict, path) -> None:
     """Train loss and held-out loss against tokens seen, the held-out gap to the baseline along
-    training, and the final gap per seed."""
+    training, and the final gap per seed. `path`: a file name or a binary file object."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -663,7 +664,7 @@ def plot(r: dict, path: str) -> None:
     ax_final.set_ylabel(f"final held-out loss vs {c['baseline'].upper()} (%)")
     ax_final.set_title("final gap: each seed (dots), mean and range (diamond, bar)")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, format="png")
     plt.close(fig)
 
 
@@ -696,7 +697,6 @@ def run(c: AccuracyConfig, progress=None) -> dict:
         "corpus": corpus.info,
         "parameters": parameters,
     }
-    os.makedirs(c.out, exist_ok=True)
     partial = os.path.join(c.out, "accuracy.partial.json")
     for seed in c.seeds:
         jobs = [(m, True) for m in [BASELINE] + list(c.modes)]
@@ -704,10 +704,23 @@ def run(c: AccuracyConfig, progress=None) -> dict:
             jobs.append((c.release_off, False))
         for mode, release in jobs:
             runs.append(train_one(c, corpus, seed, mode, release, progress))
-            with open(partial, "w") as fh:  # a long run interrupted keeps what it measured
-                json.dump({**head, "runs": runs}, fh)
+            # A long run interrupted keeps what it measured (created only once a run is done).
+            os.makedirs(c.out, exist_ok=True)
+            _write_whole(partial, json.dumps({**head, "runs": runs}).encode())
     os.remove(partial)
     return {**head, "runs": runs, "summary": summarize(c, runs)}
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path` that replaces it once complete."""
+    tmp = f"{path}.zrw-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def merge_results(paths: List[str]) -> dict:
@@ -793,8 +806,17 @@ def main(argv=None) -> None:
             given = type(default)(given)
         values[f.name] = given
     c = AccuracyConfig(**values)
+    # Every refusal comes here, before anything runs and before anything is written.
     if c.steps < 1 or c.eval_every < 1 or not c.seeds:
         p.error("--steps and --eval-every must be >= 1 and --seeds non-empty")
+    if not c.out:
+        p.error("--out must name a directory, got ''")
+    if os.path.exists(c.out) and not os.path.isdir(c.out):
+        p.error(f"--out must name a directory (for accuracy.json and .png), got the file {c.out!r}")
+    try:
+        import matplotlib  # noqa: F401  (the plot: checked before the run, not after it)
+    except ImportError as e:
+        p.error(f"the plot (accuracy.png) needs matplotlib: pip install matplotlib ({e})")
 
     def progress(msg: str) -> None:
         print("\r" + msg.ljust(70), end="", file=sys.stderr, flush=True)
@@ -807,12 +829,15 @@ def main(argv=None) -> None:
         r = run(c, None if a.no_progress or a.json else progress)
         if not (a.no_progress or a.json):
             print(file=sys.stderr)
-    os.makedirs(c.out, exist_ok=True)
     png = os.path.join(c.out, "accuracy.png")
-    plot(r, png)
+    # Both outputs are made in memory first; a failure there creates no directory and no file.
+    image = io.BytesIO()
+    plot(r, image)
     r["png"] = png
-    with open(os.path.join(c.out, "accuracy.json"), "w") as fh:
-        json.dump(r, fh)
+    text = json.dumps(r)
+    os.makedirs(c.out, exist_ok=True)
+    _write_whole(png, image.getvalue())
+    _write_whole(os.path.join(c.out, "accuracy.json"), text.encode())
     if a.json:
         print(json.dumps(r))
         return
