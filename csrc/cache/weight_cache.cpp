@@ -129,6 +129,10 @@ struct Entry {
   // quantizes from `master` (-> RELEASED).
   State state = State::Cached;
   uint32_t version = 0;
+  // The storage and bytes an unreleased copy was made from: `w.data = t` swaps them without a
+  // version bump, and the copy is stale from then on.
+  const void* storage_impl = nullptr;
+  const void* data = nullptr;
   int64_t step = 0;
   int64_t hits = 0;
   int64_t misses = 0;
@@ -273,7 +277,7 @@ class WeightCache {
       const bool fresh = released ? !replaced
                                   : e.step == step_ &&
                                         e.version == key->version_counter().current_version() &&
-                                        c10::GradMode::is_enabled();
+                                        same_bytes(w, e) && c10::GradMode::is_enabled();
       if (same_recipe && fresh) {
         ++e.hits;
         ++hits_;
@@ -306,6 +310,8 @@ class WeightCache {
     ++misses_;
     e.tensors = quantize(w, recipe, elem_dtype, scale_mode);
     e.version = key->version_counter().current_version();
+    e.storage_impl = w.storage().unsafeGetStorageImpl();
+    e.data = w.const_data_ptr();
     e.storage_nbytes = static_cast<int64_t>(w.storage().nbytes());
     e.status = release_guard(w, trainable, release, release_frozen);
     if (e.status == kReleased) {
@@ -313,11 +319,13 @@ class WeightCache {
     } else {
       e.state = State::Cached;
       ++skips_[e.status];
-      if (!trainable) {
+      if (!trainable || !owns_storage(w)) {
         // A frozen weight that keeps its storage is quantized at each use and never filed: no
         // optimizer boundary marks when it changes, and a write through `.data` (PEFT's
         // merge_and_unload, a hand-written update) bumps no version, so a kept copy could go
-        // stale; it also costs no FP8 bytes between uses.
+        // stale; it also costs no FP8 bytes between uses. So is a weight that shares its
+        // storage (a view of a flat buffer, an alias): a write through the buffer or the other
+        // tensor bumps another version counter than the weight's.
         return e.tensors;
       }
     }
@@ -347,7 +355,7 @@ class WeightCache {
     }
     if (e != nullptr && e->state == State::Cached && same_recipe && e->step == step_ &&
         e->version == w.unsafeGetTensorImpl()->version_counter().current_version() &&
-        e->status != kSkipNoGrad) {
+        same_bytes(w, *e) && e->status != kSkipNoGrad) {
       return e->tensors;
     }
     return quantize(w, recipe, elem_dtype, scale_mode);
@@ -749,12 +757,25 @@ class WeightCache {
   // The release guard (docs/design.md §5). Returns kReleased or the reason to keep the storage.
   // `trainable`: whether the optimizer steps w (w.requires_grad(), unless the caller says
   // otherwise: a DTensor's local shard never requires grad itself, its DTensor does).
+  // Whether an unreleased weight still holds the storage and bytes its copy was made from.
+  static bool same_bytes(const at::Tensor& w, const Entry& e) {
+    return w.has_storage() && w.storage().unsafeGetStorageImpl() == e.storage_impl &&
+           w.const_data_ptr() == e.data;
+  }
+
   static const char* release_guard(const at::Tensor& w, bool trainable, bool release,
                                    bool release_frozen) {
-    if (!release) return kSkipReleaseFalse;
+    // A copy filed under no_grad is an eval copy whatever the release flag: it serves the
+    // training recompute of its step, never another no_grad call.
     if (!c10::GradMode::is_enabled()) return kSkipNoGrad;
+    if (!release) return kSkipReleaseFalse;
     if (!w.is_leaf()) return kSkipNonLeaf;
     if (!trainable && !release_frozen) return kSkipFrozen;
+    return storage_skip(w);
+  }
+
+  // kReleased if `w` alone owns its storage and fills it exactly, else why not.
+  static const char* storage_skip(const at::Tensor& w) {
     const int64_t tensor_bytes = w.numel() * static_cast<int64_t>(w.element_size());
     // A view into a larger buffer (Megatron-style flat buffers) must keep the whole buffer.
     if (w.storage_offset() != 0 || static_cast<int64_t>(w.storage().nbytes()) > tensor_bytes ||
@@ -770,6 +791,8 @@ class WeightCache {
     if (w.storage().use_count() > 1 + python_ref) return kSkipAliased;
     return kReleased;
   }
+
+  static bool owns_storage(const at::Tensor& w) { return storage_skip(w) == kReleased; }
 
   static void release_storage_locked(const at::Tensor& w, Entry& e, bool trainable) {
     c10::StorageImpl* s = w.storage().unsafeGetStorageImpl();

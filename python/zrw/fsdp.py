@@ -478,6 +478,7 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
         raise TypeError(
             f"zrw.fsdp.prepare: model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    model = planes.unwrap_model(model)
     managed = _fsdp_managed(model)
     n = 0
     for mname, mod in model.named_modules():

@@ -420,7 +420,7 @@ def _training_use(op: str, w: Tensor, rec: WeightRecord, release: bool, name: st
         return False
     if not release or rec.hold or rec.tied:
         return False
-    if st is CacheState.NONE:
+    if not st.released:  # (CACHED: an eval's copy, which this use may release)
         _sync_before_release(w, rec)
     return True
 
@@ -447,8 +447,8 @@ def use(
     if grad and trainable and (require_owner or not release):
         release = _training_use(op, w, rec, release, name)
     elif grad and release and release_frozen and not trainable and rec.masters:
-        # About to be released for good: its master takes what was written first.
-        if state(w) is CacheState.NONE:
+        # About to be released for good: its master takes what its storage holds first.
+        if not state(w).released:
             _sync_before_release(w, rec)
     tensors = torch.ops.zrw.quant_and_release.default(
         w,
@@ -510,12 +510,18 @@ def boundary(ws: List[Tensor], fill: str, sources: List[Optional[Tensor]]) -> in
     return n
 
 
-def drop_before_step(params: List[Tensor], masters: List[Tensor], keep_released: bool) -> None:
+def drop_before_step(
+    params: List[Tensor], masters: List[Tensor], keep_released: bool, stepped: List[bool]
+) -> None:
     """MasterWeights, before the inner step: CACHED -> NONE; with keep_released
-    RELEASED -> PENDING (the master is the value)."""
+    RELEASED/PENDING -> PENDING (the master is the value). A weight released for good whose
+    master the step is about to change (`stepped`: it has a gradient, e.g. frozen after its
+    backward) comes back exactly from the master -> NONE: its FP8 copy would be stale."""
     released_p, released_m = [], []
-    for p, m, st in zip(params, masters, states(params)):
-        if st is CacheState.CACHED:
+    for p, m, st, moves in zip(params, masters, states(params), stepped):
+        if st is CacheState.RELEASED_FOR_GOOD and moves:
+            torch.ops.zrw.restore(p, "master", m)
+        elif st is CacheState.CACHED:
             torch.ops.zrw.cache_invalidate(p, "dequant")
         elif st in (CacheState.RELEASED, CacheState.PENDING) and keep_released:
             released_p.append(p)

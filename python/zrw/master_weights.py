@@ -364,10 +364,12 @@ class MasterWeights(torch.optim.Optimizer):
         parameter): CACHED -> NONE; with keep_released RELEASED -> PENDING (the masters hold
         the values). Without keep_released, released parameters keep theirs until the
         write-back restores them. A DTensor parameter: its local shard and its master's."""
+        params = [p for g in self.param_groups for p in g["params"]]
         lifecycle.drop_before_step(
-            [local_tensor(p) for g in self.param_groups for p in g["params"]],
+            [local_tensor(p) for p in params],
             [local_tensor(m) for ms in self.masters for m in ms],
             self.keep_released,
+            [p.grad is not None or getattr(p, "main_grad", None) is not None for p in params],
         )
 
     def _write_back(self) -> None:

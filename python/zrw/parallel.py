@@ -55,7 +55,7 @@ from ._dtensor import (  # noqa: F401  # noqa: F401
 from ._dtensor import local_tensor as _local_tensor
 from ._dtensor import shard_info as _shard_info  # noqa: F401
 from .nn.functional import dtensor_linear  # noqa: F401
-from .planes import is_zrw_layer
+from .planes import is_zrw_layer, unwrap_model
 from .record import module_record
 from .weights import (  # noqa: F401
     main_grad_owner,
@@ -66,9 +66,10 @@ from .weights import (  # noqa: F401
 
 
 def _check_module(op: str, model) -> torch.nn.Module:
+    """`model`, checked; a torch.compile wrapper gives the model it wraps."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    return model
+    return unwrap_model(model)
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -129,7 +130,7 @@ def prepare(model: torch.nn.Module) -> ParallelSummary:
     each refusal names the weight), names the local shard for zrw's messages, and installs a
     forward pre-hook that quantizes and releases the local shards at the layer's first use in
     a step. Returns what this rank holds (ParallelSummary). Idempotent."""
-    _check_module("zrw.parallel.prepare", model)
+    model = _check_module("zrw.parallel.prepare", model)
     summary = ParallelSummary()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         summary.rank = torch.distributed.get_rank()
@@ -181,7 +182,7 @@ def apply_plan(model: torch.nn.Module, distributed_config) -> torch.nn.Module:
     full weights (the same seed or checkpoint): each keeps its own shard of them. Returns the
     sharded model. Call after zrw.convert, then zrw.parallel.prepare(model)."""
     op = "zrw.parallel.apply_plan"
-    _check_module(op, model)
+    given, model = model, _check_module(op, model)
     cls = type(model)
     if not hasattr(cls, "maybe_distribute_model"):
         raise TypeError(
@@ -198,4 +199,5 @@ def apply_plan(model: torch.nn.Module, distributed_config) -> torch.nn.Module:
             f"dict, got {type(distributed_config).__name__}"
         )
     dc, _device_map, mesh_manager = cls.prepare_distribute_model(distributed_config)
-    return cls.maybe_distribute_model(model, dc, mesh_manager)
+    out = cls.maybe_distribute_model(model, dc, mesh_manager)
+    return given if out is model else out

@@ -417,9 +417,9 @@ class ReleasedWeightsStateDict:
         for (n, p), st in zip(params, states):
             if st.released and prefix + n in state_dict:
                 held[n] = (p, st)
-        # A state dict taken with keep_vars=True holds the released weights themselves: loading
-        # one into itself changes nothing.
-        same = {n for n, (p, _) in held.items() if state_dict[prefix + n] is p}
+        # A state dict taken with keep_vars=True holds the released weights themselves (or,
+        # detached, views of exactly their storage): loading one into itself changes nothing.
+        same = {n for n, (p, _) in held.items() if _is_own_value(state_dict[prefix + n], p)}
         if held:
             saved = dict(self._parameters)
             for n in held:
@@ -500,6 +500,23 @@ class ReleasedWeightsStateDict:
             # Its FP8 copy is stale; its master (if any) takes the loaded value at its
             # optimizer's next step (MasterWeights follows every write to a parameter).
             cache.cache_invalidate(local_tensor(p))
+
+
+def _is_own_value(value, p: Tensor) -> bool:
+    """Whether `value` is the Parameter `p` itself or a view of exactly its bytes (what
+    `state_dict(keep_vars=True)` gave, detached): p's value, whatever p holds."""
+    if value is p:
+        return True
+    if not isinstance(value, Tensor) or is_dtensor(value) != is_dtensor(p):
+        return False
+    a, b = local_tensor(value), local_tensor(p)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    )
 
 
 def restamp_names(module: nn.Module, names: dict) -> None:

@@ -61,6 +61,7 @@ LEVELS: Dict[str, int] = {
     "zrw.bench.accuracy": 18,
     "zrw.bench.linear": 18,
     "zrw.bench.quant": 18,
+    "zrw.bench.report": 18,
     "zrw.bench.seed_2d": 18,
     "zrw.bench.step": 18,
     "zrw.bench.seed": 19,

@@ -39,22 +39,12 @@ def test_restore_frozen_takes_a_compiled_model():
     assert zrw.cache.cache_stats()["frozen"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zrw.parallel.prepare does not unwrap a torch.compile wrapper yet "
-    "(python/zrw/parallel.py: model = unwrap_model(model) after its argument check)",
-)
 def test_parallel_prepare_names_the_weights_of_a_compiled_model_as_the_model():
     model = _converted()
     summary = zrw.parallel.prepare(torch.compile(model, backend="eager"))
     assert sorted(summary.weights) == ["0.weight", "2.weight"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zrw.fsdp.prepare does not unwrap a torch.compile wrapper yet "
-    "(python/zrw/fsdp.py: model = unwrap_model(model) after its argument check)",
-)
 def test_fsdp_prepare_names_the_weights_of_a_compiled_model_as_the_model():
     model = _converted()
     assert zrw.fsdp.prepare(torch.compile(model, backend="eager")) == 2
