@@ -12,8 +12,9 @@ as long as the caller keeps it. The calls here never hold more than one material
   materialize(p, master)          one released weight's exact value (bf16 of its master), as
                                   the zrw layers' state_dict() and pickling also make it
 
-The training grid exported (docs/export.md): each converted weight's forward MXFP8 plane, byte
-for byte, as torchao's MX inference tensor (MXTensor), the rest of the state dict as it is:
+The training grid exported (docs/export.md; zrw.mx_export, whose public names are these): each
+converted weight's forward MXFP8 plane, byte for byte, as torchao's MX inference tensor
+(MXTensor), the rest of the state dict as it is:
 
   export_mx(model, path=None)     the state dict with MXTensor weights, or (path) a safetensors
                                   file in torchao's format, written tensor by tensor
@@ -27,25 +28,26 @@ allocates one weight's BF16 bytes at a time, and nothing is restored or re-quant
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-import shutil
-import struct
-import threading
-import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import cache, lifecycle
-from ._dtensor import is_dtensor, local_tensor
+from ._dtensor import is_dtensor
+from ._safetensors import (
+    DTYPES,
+    checked_model,
+    checked_path,
+    released_master,
+    state_plan,
+    write_file,
+)
+from ._safetensors import saved_value as _value  # (the name tests replace to fail a save)
 
 # zrw.frozen and zrw.state_dict (lower levels) hold these; this module is their public home.
 from .frozen import FROZEN_MODES, frozen_mode, frozen_values  # noqa: F401
-from .planes import MXPlanesCarrier, is_zrw_layer, unwrap_model
-from .record import find_record
+from .mx_export import export_mx, iter_mx_state_dict, load_mx, save_mx_pretrained  # noqa: F401
 from .state_dict import (  # noqa: F401
     deferred,
     deferring,
@@ -55,79 +57,6 @@ from .state_dict import (  # noqa: F401
     warn_frozen_dequant,
 )
 
-# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
-# naming each tensor's dtype, shape and byte range, then the bytes).
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-def _model(op: str, model) -> torch.nn.Module:
-    """`model` checked, and unwrapped where it is a `torch.compile` wrapper: its `_orig_mod`
-    is the model, so the names saved, exported or loaded are the model's own (without the
-    wrapper's `_orig_mod.` prefix)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    return unwrap_model(model)
-
-
-def _plan(model: torch.nn.Module) -> Dict[str, Tensor]:
-    """model.state_dict() with each released weight as itself (materialized later)."""
-    model = _model("zrw.checkpoint", model)
-    with deferred():
-        return model.state_dict()
-
-
-def _master(name: str, t: Tensor) -> Optional[Tensor]:
-    """The FP32 master of state-dict entry `name` if it is a released weight, None if it is
-    not released or is a frozen weight released for good that state_dict() would give as its
-    dequantized FP8 copy (frozen_values('dequant'), the default). A frozen weight under
-    frozen_values('raise'), and any other released weight without a master, raise a named
-    error."""
-    local = local_tensor(t)
-    state = cache.cache_state(local)
-    if not state.released:
-        return None
-    master = cache.master_of(local)
-    if master is not None:
-        return master
-    shown = cache.weight_name(local) or name
-    if state is cache.CacheState.RELEASED_FOR_GOOD:
-        if frozen_mode() == "raise":
-            raise frozen_error("zrw.checkpoint", repr(shown))
-        return None
-    raise RuntimeError(
-        f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
-        "materialize it from; nothing more was written. Save after the optimizer step with "
-        "zrw.optim.MasterWeights, or restore the weights first with "
-        "zrw.cache.restore_all('master')"
-    )
-
-
-def _value(name: str, t: Tensor) -> Tensor:
-    """The tensor to save for state-dict entry `name`: a released weight's exact value (a
-    frozen weight released for good: its dequantized FP8 copy, as state_dict() gives it),
-    else `t` itself (also when it is not a tensor: a module's extra state)."""
-    if not isinstance(t, Tensor):
-        return t
-    master = _master(name, t)
-    if master is not None:
-        return materialize(t, master)
-    if cache.cache_state(local_tensor(t)) is cache.CacheState.RELEASED_FOR_GOOD:
-        return frozen_value(t)
-    return t
-
 
 def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     """(name, tensor) for every entry of `model.state_dict()`, in its order. A released weight
@@ -135,10 +64,10 @@ def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     asking for the next to keep at most one in memory. A released weight without a master
     raises a named error when reached. A `model` that is not an nn.Module raises TypeError at
     the call, before anything is iterated."""
-    model = _model("zrw.checkpoint.iter_state_dict", model)
+    model = checked_model("zrw.checkpoint.iter_state_dict", model)
 
     def entries() -> Iterator[Tuple[str, Tensor]]:
-        for name, t in _plan(model).items():
+        for name, t in state_plan(model).items():
             yield name, _value(name, t)
 
     return entries()
@@ -159,9 +88,9 @@ def save_safetensors(
     complete: concurrent saves to one path (threads or processes) each write their own file,
     and `path` ends as one of them, whole."""
     op = "zrw.checkpoint.save_safetensors"
-    model = _model(op, model)
-    path = _checked_path(op, path)
-    plan = _plan(model)
+    model = checked_model(op, model)
+    path = checked_path(op, path)
+    plan = state_plan(model)
     if metadata is None:
         metadata = {"format": "pt"}  # what safetensors.torch and transformers write
     if not (
@@ -189,621 +118,18 @@ def save_safetensors(
                 f"zrw.checkpoint.save_safetensors: '{name}' is a DTensor (a "
                 "sharded model); save it with torch.distributed.checkpoint"
             )
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise TypeError(
                 f"zrw.checkpoint.save_safetensors: '{name}' has dtype {t.dtype}, "
                 f"which safetensors cannot hold (supported: "
-                f"{', '.join(str(d) for d in _DTYPES)})"
+                f"{', '.join(str(d) for d in DTYPES)})"
             )
-        _master(name, t)  # a released weight without a master: raises before any write
+        released_master(name, t)  # a released weight without a master: raises before any write
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _DTYPES[t.dtype],
+            "dtype": DTYPES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
-    _write_file(path, header, names, lambda name: _value(name, plan[name]))
-
-
-def _checked_path(op: str, path) -> str:
-    """`path` as a str naming a file whose directory exists, or the error that names it."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
-            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
-        )
-    path = os.fspath(path)
-    if not isinstance(path, str):
-        raise TypeError(
-            f"{op}: path must be a str or an os.PathLike giving a str, got an "
-            f"os.PathLike giving {type(path).__name__}"
-        )
-    if not path:
-        raise ValueError(f"{op}: path must name a file, got ''")
-    if os.path.isdir(path):
-        raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist ({folder!r})")
-    return path
-
-
-def _write_file(path: str, header: Dict[str, object], names, produce) -> None:
-    """Write a safetensors file: `header` (every entry's dtype, shape and byte range, already
-    checked), then for each name in `names`, in order, the bytes of `produce(name)`, dropped
-    before the next is made. The bytes go to a temporary file of the same directory, unique to
-    this call, which replaces `path` atomically (os.replace) once complete."""
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    # Unique per call (process, thread, and a random part), created exclusively ("xb").
-    tmp = f"{path}.zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}"
-    created = False
-    try:
-        with open(tmp, "xb") as f:
-            created = True
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for name in names:
-                value = produce(name)
-                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))  # no copy of the bytes
-                del value, data
-        os.replace(tmp, path)
-    finally:
-        if created and os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# ---- the training grid exported: torchao MX inference tensors ------------------------------
-#
-# docs/design.md §3 (numerics) and §5 (the cache): a converted weight's forward plane is its
-# E4M3 (or E5M2) codes in blocks of 32 along K (the last axis of W (N, K) or (E, N, K)) with
-# one E8M0 scale per block, (.., N, ceil(K/32)); for "mxfp8-32x32" it is the row expansion of
-# the 32x32 tile scales (each tile's scale repeated for its 32 rows), the same codes. That is
-# the layout of torchao's MXTensor for a linear weight (block_size 32 along the last axis,
-# scale torch.float8_e8m0fnu of shape (.., N, K/32), unswizzled), so the export hands zrw's
-# bytes to torchao unchanged; nothing is re-quantized with torchao's rule.
-
-_KERNELS = ("emulated", "auto")
-_EXPERTS = ("refuse", "bf16")
-_SCALE_DTYPE = torch.float8_e8m0fnu
-_MX_FILE_DTYPES = {**_DTYPES, _SCALE_DTYPE: "F8_E8M0"}
-
-
-def _torchao(op: str):
-    """torchao's MX tensor and its kwargs (an optional dependency: `pip install torchao`)."""
-    try:
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-    except ImportError as e:  # pragma: no cover - torchao is in the test extra
-        raise ImportError(
-            f"{op}: the MX export builds torchao's MXTensor (torchao.prototype.mx_formats), "
-            f"but torchao could not be imported ({e}); install it: pip install torchao==0.18.0"
-        ) from e
-    return MXTensor, QuantizeTensorToMXKwargs, ScaleCalculationMode, KernelPreference
-
-
-def _check_kernel(op: str, kernel) -> str:
-    if not isinstance(kernel, str) or kernel not in _KERNELS:
-        raise ValueError(
-            f"{op}: kernel must be one of {_KERNELS} (torchao's KernelPreference: 'emulated' "
-            f"runs on any device, 'auto' needs torchao's MX GEMM on a CUDA GPU), got {kernel!r}"
-        )
-    return kernel
-
-
-class _MXEntry:
-    """One converted weight of the export plan: its layer, parameter and recipe."""
-
-    __slots__ = ("name", "module", "param", "recipe")
-
-    def __init__(self, name: str, module: torch.nn.Module, param: Tensor, recipe) -> None:
-        self.name, self.module, self.param, self.recipe = name, module, param, recipe
-
-
-def _check_experts(op: str, experts) -> str:
-    if not isinstance(experts, str) or experts not in _EXPERTS:
-        raise ValueError(
-            f"{op}: experts must be one of {_EXPERTS} (what to do with 3-d expert stacks, "
-            f"which torchao's MXTensor cannot serve in transformers' experts), got {experts!r}"
-        )
-    return experts
-
-
-def _mx_plan(
-    op: str, model: torch.nn.Module, experts: str = "refuse"
-) -> Tuple[Dict[str, Tensor], Dict[str, _MXEntry]]:
-    """model.state_dict() (released weights as themselves) and, by state-dict name, the
-    converted weights to export as MX; every refusal is raised here, before anything is
-    quantized, built or written."""
-    model = _model(op, model)
-    plan = _plan(model)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    mx: Dict[str, _MXEntry] = {}
-    for name, t in plan.items():
-        prefix, _, pname = name.rpartition(".")
-        module = modules.get(prefix)
-        if module is None or not is_zrw_layer(module) or pname not in module.zrw_quantized:
-            continue
-        mx[name] = _MXEntry(name, module, module._parameters.get(pname), module.recipe)
-    if not mx:
-        raise ValueError(
-            f"{op}: model has no converted weights (no zrw layer: MXLinear, MXFusedExperts); "
-            "the MX export reads the FP8 copies zrw trains with. Convert it first "
-            "(zrw.convert(model, recipe)), or save BF16 with zrw.checkpoint.save_safetensors"
-        )
-    by_tensor: Dict[int, str] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        if name in plan:
-            first = by_tensor.setdefault(id(t), name)
-            if first != name and (first in mx or name in mx):
-                raise ValueError(
-                    f"{op}: weight '{name}' is the same tensor as '{first}' (tied weights), "
-                    "and one of them is a converted weight: an MX export holds one tensor per "
-                    "name, MX or not, so the tie would not survive a load. Keep the tied "
-                    "module in high precision (zrw.convert(..., skip=[...])) or untie it"
-                )
-    stacks: list = []
-    for name, e in mx.items():
-        p = e.param
-        if "." not in name:
-            raise ValueError(
-                f"{op}: converted weight '{name}' has no module prefix: torchao's format names "
-                "an MX tensor's parts '<module>._<param>_qdata', so the model itself cannot be "
-                "the zrw layer; wrap it (torch.nn.Sequential(model))"
-            )
-        if isinstance(p, MXPlanesCarrier):
-            raise TypeError(
-                f"{op}: weight '{name}' is an FSDP2 gathered weight ({type(p).__name__}); "
-                "export outside FSDP2's forward, from the unsharded model"
-            )
-        if not isinstance(p, Tensor) or is_dtensor(p):
-            raise TypeError(
-                f"{op}: weight '{name}' must be a plain tensor on one device, got "
-                f"{type(p).__name__} (a sharded model: gather it first, e.g. save with "
-                "torch.distributed.checkpoint and load into one unsharded model)"
-            )
-        if p.is_meta:
-            raise ValueError(f"{op}: weight '{name}' is on the meta device (no data to export)")
-        if p.dim() == 3:
-            if experts == "bf16":
-                stacks.append(name)
-                continue
-            raise ValueError(
-                f"{op}: weight '{name}' is a 3-d expert stack {tuple(p.shape)}: torchao 0.18's "
-                "MXTensor runs linear layers only (transformers' experts forward transposes the "
-                "stack and calls grouped_mm, which MXTensor does not implement). Pass "
-                "experts='bf16' to export the stacks as their exact BF16 values (not the "
-                "training grid), or keep them out of zrw.convert"
-            )
-        if p.dim() != 2:
-            raise ValueError(f"{op}: weight '{name}' must be (N, K), got shape {tuple(p.shape)}")
-        if p.shape[-1] % 32 != 0:
-            raise ValueError(
-                f"{op}: weight '{name}' has K = {p.shape[-1]} (shape {tuple(p.shape)}), not a "
-                "multiple of 32: torchao's MXTensor holds whole blocks of 32 along K only "
-                "(zrw's last, shorter block has no torchao layout)"
-            )
-        local = local_tensor(p)
-        rec = find_record(local)
-        asked = (e.recipe.cache_layout, e.recipe.elem_dtype, e.recipe.scale_mode)
-        if (
-            rec is not None
-            and rec.quantized_as not in (None, asked)
-            and cache.cache_state(local).released
-        ):
-            raise ValueError(
-                f"{op}: weight '{name}' is released with its FP8 copy made as "
-                f"{rec.quantized_as}, but its layer now asks for {asked} (its recipe changed "
-                "since): the copy the forward used and the layer disagree. Restore it first "
-                "(zrw.cache.restore_all('master')) or export with the recipe it trained with"
-            )
-        if p.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(
-                f"{op}: weight '{name}' has dtype {p.dtype}: torchao's MX tensors dequantize to "
-                "bfloat16 or float32 only"
-            )
-    for name in stacks:
-        del mx[name]
-    if not mx:
-        raise ValueError(f"{op}: model has no converted 2-d weights to export as MX")
-    return plan, mx
-
-
-def _forward_plane(e: _MXEntry) -> Tuple[Tensor, Tensor]:
-    """The forward plane of a converted weight, as copies: the cached one where the cache holds
-    it (the copy the forwards of this step used, or a frozen weight's only value), else what
-    the next forward will use, made the same way (from its FP32 master when released for the
-    BF16-free step, else from its current values), without filing or releasing anything: the
-    cache's inference read (docs/design.md §5), which changes no entry, state or record."""
-    w = local_tensor(e.param)
-    r = e.recipe
-    tensors = lifecycle.served(w, (r.cache_layout, r.elem_dtype, r.scale_mode), e.name)
-    data, scale = tensors[0], tensors[1]
-    want = (*w.shape[:-1], w.shape[-1] // 32)
-    if data.shape != w.shape or tuple(scale.shape) != want or scale.dtype != _SCALE_DTYPE:
-        raise RuntimeError(  # pragma: no cover - the cache's layout contract
-            f"zrw.checkpoint: weight '{e.name}': the cache returned a forward plane of shape "
-            f"{tuple(data.shape)} with scale {tuple(scale.shape)} {scale.dtype}, expected "
-            f"{tuple(w.shape)} and {want} {_SCALE_DTYPE}"
-        )
-    return data.clone(), scale.clone()
-
-
-def _mx_kwargs(op: str, recipe, kernel: str):
-    MXTensor, Kwargs, Mode, Pref = _torchao(op)
-    pref = Pref.EMULATED if kernel == "emulated" else Pref.AUTO
-    mode = Mode.RCEIL if recipe.scale_mode == "rceil" else Mode.FLOOR
-    # The activations: quantized by torchao at serving time, as zrw's layers do (1x32 blocks
-    # along K, the recipe's element dtype and scale rule).
-    act = Kwargs(
-        elem_dtype=recipe.elem_dtype,
-        block_size=32,
-        scaling_mode=mode,
-        kernel_preference=pref,
-        is_swizzled_scales=False,
-    )
-    return MXTensor, pref, act
-
-
-def _mx_tensor(op: str, e: _MXEntry, data: Tensor, scale: Tensor, kernel: str):
-    MXTensor, pref, act = _mx_kwargs(op, e.recipe, kernel)
-    return MXTensor(data, scale, data.dtype, 32, e.param.dtype, pref, act, False)
-
-
-def iter_mx_state_dict(
-    model: torch.nn.Module, *, kernel: str = "emulated", experts: str = "refuse"
-) -> Iterator[Tuple[str, Tensor]]:
-    """(name, tensor) for every entry of `model.state_dict()`, in its order, each converted
-    weight as torchao's MXTensor holding zrw's forward plane: E4M3 codes and E8M0 block scales
-    byte for byte those the forward uses (see `export_mx`), the rest as `iter_state_dict`
-    gives it (BF16 as trained). One MX weight's codes and scales (about 1.03 bytes per element)
-    are copied when its turn comes; drop it before asking for the next. Every check runs at
-    the call, before anything is iterated."""
-    op = "zrw.checkpoint.iter_mx_state_dict"
-    _check_kernel(op, kernel)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
-    _torchao(op)
-
-    def entries() -> Iterator[Tuple[str, Tensor]]:
-        for name, t in plan.items():
-            e = mx.get(name)
-            if e is None:
-                yield name, _value(name, t)
-            else:
-                yield name, _mx_tensor(op, e, *_forward_plane(e), kernel)
-
-    return entries()
-
-
-def export_mx(
-    model: torch.nn.Module,
-    path: "str | os.PathLike | None" = None,
-    *,
-    kernel: str = "emulated",
-    experts: str = "refuse",
-) -> Optional[Dict[str, Tensor]]:
-    """Export the training grid: each converted weight's forward MXFP8 plane as torchao's
-    MX inference tensor (MXTensor), every other entry of the state dict as it is (BF16).
-
-    The codes and scales are byte for byte the forward plane zrw computes with: the cached
-    copy where the cache holds one (the copy this step's forwards used; a frozen weight
-    released for good: its only value), else the one the next forward makes, with zrw's own
-    op and scale rule: from the FP32 master after a BF16-free step (never from a rounded BF16
-    copy), else from the weight's current values. "mxfp8-32x32": each 32x32 tile's scale is
-    repeated for its 32 rows (the plane the forward GEMM reads; same codes, same values).
-    Nothing in the cache changes. Activations are quantized by torchao at serving time with
-    the recipe's element dtype and scale rule; `kernel` is torchao's KernelPreference:
-    "emulated" (dequantize and run a BF16 GEMM; any device) or "auto" (torchao's MX GEMM, a
-    CUDA GPU that has one).
-
-    path None: returns the state dict (name -> MXTensor or tensor). Else writes a safetensors
-    file in torchao's format (`<module>._<param>_qdata` / `_scale` and torchao's metadata, as
-    `torchao.prototype.safetensors` and transformers' torchao loader read it), one tensor at a
-    time as save_safetensors does, and returns None; `load_mx` reads it into an unconverted
-    model, `save_mx_pretrained` writes a directory `from_pretrained` loads. Every check runs
-    before anything is quantized or the file is opened (docs/export.md)."""
-    op = "zrw.checkpoint.export_mx"
-    _check_kernel(op, kernel)
-    if path is not None:
-        path = _checked_path(op, path)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
-    _torchao(op)
-    if path is None:
-        return dict(iter_mx_state_dict(model, kernel=kernel, experts=experts))
-    header, names, produce = _mx_file(op, plan, mx, kernel)
-    _write_file(path, header, names, produce)
-    return None
-
-
-def _mx_file(op, plan, mx, kernel):
-    """The safetensors file of an MX export, checked and laid out, nothing written yet:
-    (header, file names in order, produce(file name) -> the tensor to write). Every refusal
-    is raised here, before any file is opened or created."""
-    from torchao.prototype.safetensors.safetensors_utils import TensorSubclassAttributeJSONEncoder
-
-    header: Dict[str, object] = {}
-    metadata: Dict[str, str] = {"format": "pt"}
-    parts: Dict[str, Tuple[str, str]] = {}  # file name -> (state-dict name, "qdata"/"scale")
-    shapes: list = []
-    for name, t in plan.items():
-        e = mx.get(name)
-        if e is None:
-            if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"{op}: state-dict entry '{name}' must be a tensor, got {type(t).__name__}"
-                )
-            if is_dtensor(t):
-                raise TypeError(f"{op}: '{name}' is a DTensor (a sharded model)")
-            if t.dtype not in _MX_FILE_DTYPES:
-                raise TypeError(
-                    f"{op}: '{name}' has dtype {t.dtype}, which safetensors cannot hold"
-                )
-            _master(name, t)  # a released weight without a master: raises before any write
-            metadata[name] = json.dumps({"_type": "Tensor"})
-            shapes.append((name, t.dtype, list(t.shape)))
-            parts[name] = (name, "")
-            continue
-        p = e.param
-        sshape = [*p.shape[:-1], p.shape[-1] // 32]
-        meta_mx = _mx_tensor(
-            op,
-            e,
-            torch.empty(p.shape, dtype=e.recipe.elem_dtype, device="meta"),
-            torch.empty(sshape, dtype=_SCALE_DTYPE, device="meta"),
-            kernel,
-        )
-        metadata[name] = json.dumps(meta_mx, cls=TensorSubclassAttributeJSONEncoder)
-        module, _, pname = name.rpartition(".")
-        for part, dtype, shape in (
-            ("qdata", e.recipe.elem_dtype, list(p.shape)),
-            ("scale", _SCALE_DTYPE, sshape),
-        ):
-            fname = f"{module}._{pname}_{part}"
-            shapes.append((fname, dtype, shape))
-            parts[fname] = (name, part)
-    metadata["tensor_names"] = json.dumps(list(plan))
-    header["__metadata__"] = metadata
-    offset = 0
-    for fname, dtype, shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        header[fname] = {
-            "dtype": _MX_FILE_DTYPES[dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    held: Dict[str, Tensor] = {}  # the scale of the weight whose codes were just written
-
-    def produce(fname: str) -> Tensor:
-        name, part = parts[fname]
-        if not part:
-            return _value(name, plan[name])
-        if part == "qdata":
-            data, scale = _forward_plane(mx[name])
-            held[name] = scale
-            return data
-        return held.pop(name)
-
-    return header, [f for f, _, _ in shapes], produce
-
-
-def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Module:
-    """Load a file written by `export_mx(model, path)` into `model`, an unconverted model of
-    the same architecture (e.g. built from the same config): each exported weight becomes an
-    `nn.Parameter(MXTensor, requires_grad=False)` (torchao's MX inference weight: nn.Linear
-    runs it through torchao's MX linear), every other entry is loaded as it was saved.
-    Returns `model` (a `torch.compile` wrapper: the wrapper, its model loaded).
-
-    All or nothing, as a converted model's `load_state_dict`: every entry of the file is
-    checked against the model first (each MX weight names a parameter of its shape, each other
-    entry a parameter or buffer of its shape, and every entry of the model is in the file);
-    where any does not match, the error names each mismatch and nothing was written."""
-    op = "zrw.checkpoint.load_mx"
-    given = model
-    model = _model(op, model)
-    path = _checked_path(op, path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{op}: path {path!r} does not exist")
-    layers = [n or "<model>" for n, m in model.named_modules() if is_zrw_layer(m)]
-    if layers:
-        raise ValueError(
-            f"{op}: model has zrw layers ({', '.join(layers[:3])}"
-            f"{' and more' if len(layers) > 3 else ''}): load the MX export into an unconverted "
-            "model of the same architecture (torchao's MX weights run in nn.Linear)"
-        )
-    _torchao(op)
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
-
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata() or {}
-    if not is_metadata_torchao(metadata):
-        raise ValueError(
-            f"{op}: {path!r} holds no torchao metadata (tensor_names and one entry per "
-            "tensor): write it with zrw.checkpoint.export_mx(model, path)"
-        )
-    state, leftover = unflatten_tensor_state_dict(load_file(path), metadata)
-    if leftover:
-        raise ValueError(f"{op}: {path!r} holds tensors no entry names: {sorted(leftover)[:5]}")
-    MXTensor = _torchao(op)[0]
-    mx = {k: v for k, v in state.items() if isinstance(v, MXTensor)}
-    plain = {k: v for k, v in state.items() if k not in mx}
-    modules = dict(model.named_modules())
-    params = dict(model.named_parameters(remove_duplicate=False))
-    # What load_state_dict(strict=True) would write into (the model's persistent entries):
-    # every entry is checked against it before the first one is written.
-    targets = model.state_dict(keep_vars=True)
-    errors = []
-    for name, t in mx.items():
-        prefix, _, pname = name.rpartition(".")
-        old = params.get(name)
-        if old is None or prefix not in modules:
-            errors.append(f"MX weight '{name}' is in the file, but the model has no such parameter")
-        elif tuple(old.shape) != tuple(t.shape):
-            errors.append(
-                f"MX weight '{name}' has shape {tuple(t.shape)} in the file, the model's "
-                f"parameter has {tuple(old.shape)}"
-            )
-    for name, t in plain.items():
-        if name not in targets:
-            errors.append(f"'{name}' is in the file, but the model has no such entry")
-            continue
-        target = targets[name]
-        if not isinstance(target, Tensor):
-            continue  # a module's extra state: its own set_extra_state checks it
-        if not isinstance(t, Tensor):
-            errors.append(f"'{name}' must be a tensor in the file, found {type(t).__name__}")
-        elif tuple(t.shape) != tuple(target.shape) and not (
-            target.dim() == 0 and tuple(t.shape) == (1,)
-        ):
-            errors.append(
-                f"'{name}' has shape {tuple(t.shape)} in the file, the model's has "
-                f"{tuple(target.shape)}"
-            )
-    missing = [k for k in targets if k not in state]
-    if missing:
-        errors.append(
-            f"the model's entries {missing[:5]}{' and more' if len(missing) > 5 else ''} are "
-            "not in the file"
-        )
-    if errors:
-        raise ValueError(
-            f"{op}: {path!r} does not match model (checked before anything was written; the "
-            "model is unchanged):\n\t" + "\n\t".join(errors)
-        )
-    result = model.load_state_dict(plain, strict=False)
-    if result.unexpected_keys or [k for k in result.missing_keys if k not in mx]:
-        raise RuntimeError(  # pragma: no cover - every key was checked above
-            f"{op}: internal error: keys not checked before the load: "
-            f"{result.unexpected_keys} {result.missing_keys}"
-        )
-    for name, t in mx.items():
-        prefix, _, pname = name.rpartition(".")
-        setattr(modules[prefix], pname, torch.nn.Parameter(t, requires_grad=False))
-    return given
-
-
-def _checked_directory(op: str, save_directory) -> str:
-    """`save_directory` as a str naming a directory (existing or not), or the error that
-    names it; nothing is created here."""
-    if not isinstance(save_directory, (str, os.PathLike)):
-        raise TypeError(
-            f"{op}: save_directory must be a str or an os.PathLike, got "
-            f"{type(save_directory).__name__}"
-            + (" (decode it: os.fsdecode(...))" if isinstance(save_directory, bytes) else "")
-        )
-    path = os.fspath(save_directory)
-    if not isinstance(path, str):
-        raise TypeError(
-            f"{op}: save_directory must be a str or an os.PathLike giving a str, got an "
-            f"os.PathLike giving {type(path).__name__}"
-        )
-    if not path:
-        raise ValueError(f"{op}: save_directory must name a directory, got ''")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{op}: save_directory {path!r} is a file, not a directory")
-    return path
-
-
-def _existing_ancestor(path: str) -> str:
-    """`path` if it is a directory, else its nearest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
-def save_mx_pretrained(
-    model: torch.nn.Module,
-    save_directory: "str | os.PathLike",
-    *,
-    kernel: str = "emulated",
-    experts: str = "refuse",
-) -> None:
-    """Write a Hugging Face model directory that `from_pretrained` loads as torchao's MX
-    inference model: `config.json` with `quantization_config` = TorchAoConfig(
-    MXDynamicActivationMXWeightConfig(...)) (the recipe's element dtype and scale rule,
-    `kernel`), `generation_config.json` where the model has one, and `model.safetensors`
-    written by `export_mx` (one tensor at a time). `model` is a converted transformers
-    model (it has `config.save_pretrained`; a `torch.compile` wrapper of one); its own config
-    is left unchanged.
-
-    All or nothing: every check runs before anything is created, and the files are written
-    into a temporary directory that takes `save_directory`'s place (or whose files replace
-    those of an existing `save_directory`) only once all of them are complete, so a refused or
-    failed call creates no directory and leaves no file behind."""
-    op = "zrw.checkpoint.save_mx_pretrained"
-    _check_kernel(op, kernel)
-    model = _model(op, model)
-    save_directory = _checked_directory(op, save_directory)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        raise TypeError(
-            f"{op}: model must be a transformers PreTrainedModel (it has no config with "
-            f"save_pretrained: {type(model).__name__}); use export_mx(model, path) for others"
-        )
-    recipes = {(e.recipe.elem_dtype, e.recipe.scale_mode) for e in mx.values()}
-    dtypes = {e.param.dtype for e in mx.values()}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"{op}: the converted weights have several dtypes ({sorted(map(str, dtypes))}); "
-            "from_pretrained loads a model in one dtype"
-        )
-    if len(recipes) != 1:
-        raise ValueError(
-            f"{op}: the converted weights use several element dtypes / scale rules "
-            f"({sorted(str(r) for r in recipes)}); one torchao config describes one"
-        )
-    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
-    from transformers import TorchAoConfig
-
-    _, Kwargs, Mode, Pref = _torchao(op)
-    ((elem, mode),) = recipes
-    qc = TorchAoConfig(
-        MXDynamicActivationMXWeightConfig(
-            activation_dtype=elem,
-            weight_dtype=elem,
-            kernel_preference=Pref.EMULATED if kernel == "emulated" else Pref.AUTO,
-            scaling_mode=Mode.RCEIL if mode == "rceil" else Mode.FLOOR,
-        )
-    )
-    header, names, produce = _mx_file(op, plan, mx, kernel)
-    config = copy.deepcopy(config)  # the model's own config stays as it is
-    config.quantization_config = qc
-    # from_pretrained's dtype="auto" reads it (it cannot infer one from E8M0 scales).
-    config.dtype = next(iter(dtypes))
-    gen = getattr(model, "generation_config", None)
-    # Staged next to (or inside) the target, on its file system: a rename puts it in place.
-    # (mkdir, not mkdtemp: the directory gets the mode of any other the user creates.)
-    staging = os.path.join(
-        _existing_ancestor(save_directory),
-        f".zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}",
-    )
-    os.mkdir(staging)
-    try:
-        _write_file(os.path.join(staging, "model.safetensors"), header, names, produce)
-        config.save_pretrained(staging)
-        if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(staging)
-        if os.path.isdir(save_directory):
-            for fname in sorted(os.listdir(staging)):
-                os.replace(os.path.join(staging, fname), os.path.join(save_directory, fname))
-        else:
-            parent = os.path.dirname(os.path.abspath(save_directory))
-            os.makedirs(parent, exist_ok=True)
-            os.rename(staging, save_directory)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
+    write_file(path, header, names, lambda name: _value(name, plan[name]))

@@ -46,6 +46,8 @@ LEVELS: Dict[str, int] = {
     "zrw.nn.grouped": 11,
     "zrw.nn.convert": 12,
     "zrw.nn": 13,
+    "zrw._safetensors": 12,
+    "zrw.mx_export": 13,
     "zrw.parallel": 14,
     "zrw.checkpoint": 14,
     "zrw.telemetry": 14,

@@ -1,0 +1,144 @@
+"""What zrw.checkpoint and zrw.mx_export share: the state dict entry by entry (a released
+weight as itself until its turn, then its exact value) and the safetensors file writer (checked
+before the file is opened, written tensor by tensor into a temporary file that replaces the
+target whole)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import uuid
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from . import cache
+from ._dtensor import local_tensor
+from .frozen import frozen_mode
+from .planes import unwrap_model
+from .state_dict import deferred, frozen_error, frozen_value, materialize
+
+# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
+# naming each tensor's dtype, shape and byte range, then the bytes).
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def checked_model(op: str, model) -> torch.nn.Module:
+    """`model` checked, and unwrapped where it is a `torch.compile` wrapper: its `_orig_mod`
+    is the model, so the names saved, exported or loaded are the model's own (without the
+    wrapper's `_orig_mod.` prefix)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return unwrap_model(model)
+
+
+def state_plan(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """model.state_dict() with each released weight as itself (materialized later)."""
+    model = checked_model("zrw.checkpoint", model)
+    with deferred():
+        return model.state_dict()
+
+
+def released_master(name: str, t: Tensor) -> Optional[Tensor]:
+    """The FP32 master of state-dict entry `name` if it is a released weight, None if it is
+    not released or is a frozen weight released for good that state_dict() would give as its
+    dequantized FP8 copy (frozen_values('dequant'), the default). A frozen weight under
+    frozen_values('raise'), and any other released weight without a master, raise a named
+    error."""
+    local = local_tensor(t)
+    state = cache.cache_state(local)
+    if not state.released:
+        return None
+    master = cache.master_of(local)
+    if master is not None:
+        return master
+    shown = cache.weight_name(local) or name
+    if state is cache.CacheState.RELEASED_FOR_GOOD:
+        if frozen_mode() == "raise":
+            raise frozen_error("zrw.checkpoint", repr(shown))
+        return None
+    raise RuntimeError(
+        f"zrw.checkpoint: weight '{shown}' ({name}) is released and has no FP32 master to "
+        "materialize it from; nothing more was written. Save after the optimizer step with "
+        "zrw.optim.MasterWeights, or restore the weights first with "
+        "zrw.cache.restore_all('master')"
+    )
+
+
+def saved_value(name: str, t: Tensor) -> Tensor:
+    """The tensor to save for state-dict entry `name`: a released weight's exact value (a
+    frozen weight released for good: its dequantized FP8 copy, as state_dict() gives it),
+    else `t` itself (also when it is not a tensor: a module's extra state)."""
+    if not isinstance(t, Tensor):
+        return t
+    master = released_master(name, t)
+    if master is not None:
+        return materialize(t, master)
+    if cache.cache_state(local_tensor(t)) is cache.CacheState.RELEASED_FOR_GOOD:
+        return frozen_value(t)
+    return t
+
+
+def checked_path(op: str, path) -> str:
+    """`path` as a str naming a file whose directory exists, or the error that names it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
+            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
+        )
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{op}: path must be a str or an os.PathLike giving a str, got an "
+            f"os.PathLike giving {type(path).__name__}"
+        )
+    if not path:
+        raise ValueError(f"{op}: path must name a file, got ''")
+    if os.path.isdir(path):
+        raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{op}: the directory of path {path!r} does not exist ({folder!r})")
+    return path
+
+
+def write_file(path: str, header: Dict[str, object], names, produce) -> None:
+    """Write a safetensors file: `header` (every entry's dtype, shape and byte range, already
+    checked), then for each name in `names`, in order, the bytes of `produce(name)`, dropped
+    before the next is made. The bytes go to a temporary file of the same directory, unique to
+    this call, which replaces `path` atomically (os.replace) once complete."""
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    # Unique per call (process, thread, and a random part), created exclusively ("xb").
+    tmp = f"{path}.zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}"
+    created = False
+    try:
+        with open(tmp, "xb") as f:
+            created = True
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name in names:
+                value = produce(name)
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))  # no copy of the bytes
+                del value, data
+        os.replace(tmp, path)
+    finally:
+        if created and os.path.exists(tmp):
+            os.remove(tmp)
