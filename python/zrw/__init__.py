@@ -29,6 +29,7 @@ from . import cache  # noqa: E402,F401
 ops.quant_and_release = cache.quant_and_release
 ops.restore = cache.restore
 ops.restore_all = cache.restore_all
+ops.__all__ += ["quant_and_release", "restore", "restore_all"]
 from .config import QuantRecipe, get_recipe, recipe_register  # noqa: E402,F401
 from .planes import MXWeight  # noqa: E402,F401
 from .cache import no_release  # noqa: E402,F401
@@ -37,3 +38,25 @@ from .nn import convert  # noqa: E402,F401
 from .backends import backends  # noqa: E402,F401
 
 __version__ = "0.1.0"
+
+# The public API of the package root; the user-facing modules are reached as attributes too
+# (zrw.cache, zrw.optim, zrw.nn, ..., and zrw.fsdp, zrw.rfc, zrw.testing once imported).
+__all__ = [
+    "MXWeight",
+    "QuantRecipe",
+    "backends",
+    "cache",
+    "checkpoint",
+    "config",
+    "convert",
+    "get_recipe",
+    "memory",
+    "nn",
+    "no_release",
+    "ops",
+    "optim",
+    "parallel",
+    "recipe_register",
+    "reference",
+    "telemetry",
+]

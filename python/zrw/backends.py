@@ -17,6 +17,8 @@ import torch
 
 from . import _C
 
+__all__ = ["MX_OPS", "NPU_OPERATORS", "backends"]
+
 MX_OPS = (
     "mx_quantize",
     "mx_quantize_dual",

@@ -15,6 +15,8 @@ from typing import Iterator
 
 from . import _C
 
+__all__ = ["install", "installed", "current", "peak", "reset_peak", "window"]
+
 
 def install() -> None:
     """Start counting (idempotent). Tensors that already exist are not counted."""

@@ -24,6 +24,25 @@ from . import _C
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
+
+__all__ = [
+    "SCALE_MODES",
+    "E4M3",
+    "E5M2",
+    "mx_quantize",
+    "mx_quantize_dual",
+    "mx_quantize_block",
+    "mx_quantize_from_master",
+    "mx_quantize_dual_from_master",
+    "mx_quantize_block_from_master",
+    "expand_block_scale",
+    "mx_expand_block_scale",
+    "mx_dequantize",
+    "mx_matmul",
+    "matmul_workspace_bytes",
+    "free_matmul_workspace",
+]  # and quant_and_release, restore, restore_all: bound by the package root (zrw/__init__.py)
+
 SCALE_MODES = tuple(_C.scale_modes())  # one source: csrc/common/names.h
 
 # Argument types, read from each op's schema: a None or a wrong-typed argument gets a TypeError

@@ -64,6 +64,22 @@ from .weights import (  # noqa: F401
     quant_local,  # noqa: F401
 )
 
+__all__ = [
+    "ParallelSummary",
+    "apply_plan",
+    "check_placements",
+    "dtensor_linear",
+    "engine_view_owner",
+    "is_dtensor",
+    "local_tensor",
+    "local_tensors",
+    "main_grad_owner",
+    "prepare",
+    "quant_engine_view",
+    "quant_local",
+    "wrap_like",
+]
+
 
 def _check_module(op: str, model) -> torch.nn.Module:
     """`model`, checked; a torch.compile wrapper gives the model it wraps."""
