@@ -6,6 +6,7 @@ target whole)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import cache
-from ._dtensor import local_tensor
+from ._dtensor import is_dtensor, local_tensor
 from .frozen import frozen_mode
 from .planes import unwrap_model
 from .state_dict import deferred, frozen_error, frozen_value, materialize
@@ -37,12 +38,12 @@ DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+MX_DTYPES = {**DTYPES, torch.float8_e8m0fnu: "F8_E8M0"}  # with the MX export's scales
 
 
 def checked_model(op: str, model) -> torch.nn.Module:
-    """`model` checked, and unwrapped where it is a `torch.compile` wrapper: its `_orig_mod`
-    is the model, so the names saved, exported or loaded are the model's own (without the
-    wrapper's `_orig_mod.` prefix)."""
+    """`model` checked, and unwrapped where it is a `torch.compile` wrapper (the names saved,
+    exported or loaded are the model's own, without `_orig_mod.`)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
     return unwrap_model(model)
@@ -50,7 +51,6 @@ def checked_model(op: str, model) -> torch.nn.Module:
 
 def state_plan(model: torch.nn.Module) -> Dict[str, Tensor]:
     """model.state_dict() with each released weight as itself (materialized later)."""
-    model = checked_model("zrw.checkpoint", model)
     with deferred():
         return model.state_dict()
 
@@ -95,21 +95,46 @@ def saved_value(name: str, t: Tensor) -> Tensor:
     return t
 
 
-def checked_path(op: str, path) -> str:
-    """`path` as a str naming a file whose directory exists, or the error that names it."""
-    if not isinstance(path, (str, os.PathLike)):
+def checked_entry(op: str, name: str, t, dtypes: dict) -> None:
+    """State-dict entry `name` is a tensor a file can hold (not a DTensor, a dtype of
+    `dtypes`) and, if released, has a master: refused by name before any write."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: state-dict entry '{name}' must be a tensor, got {type(t).__name__}")
+    if is_dtensor(t):
         raise TypeError(
-            f"{op}: path must be a str or an os.PathLike, got {type(path).__name__}"
-            + (" (decode it: os.fsdecode(path))" if isinstance(path, bytes) else "")
+            f"{op}: '{name}' is a DTensor (a sharded model); save it with "
+            "torch.distributed.checkpoint"
         )
-    path = os.fspath(path)
+    if t.dtype not in dtypes:
+        raise TypeError(
+            f"{op}: '{name}' has dtype {t.dtype}, which safetensors cannot hold (supported: "
+            f"{', '.join(str(d) for d in dtypes)})"
+        )
+    released_master(name, t)
+
+
+def fspath(op: str, arg: str, value, what: str) -> str:
+    """`value`, a str or an os.PathLike giving a str, as a non-empty str naming a `what`
+    ("file" or "directory"), or the error that names `arg`."""
+    if not isinstance(value, (str, os.PathLike)):
+        decode = f" (decode it: os.fsdecode({arg}))" if isinstance(value, bytes) else ""
+        raise TypeError(
+            f"{op}: {arg} must be a str or an os.PathLike, got {type(value).__name__}{decode}"
+        )
+    path = os.fspath(value)
     if not isinstance(path, str):
         raise TypeError(
-            f"{op}: path must be a str or an os.PathLike giving a str, got an "
+            f"{op}: {arg} must be a str or an os.PathLike giving a str, got an "
             f"os.PathLike giving {type(path).__name__}"
         )
     if not path:
-        raise ValueError(f"{op}: path must name a file, got ''")
+        raise ValueError(f"{op}: {arg} must name a {what}, got ''")
+    return path
+
+
+def checked_path(op: str, path) -> str:
+    """`path` as a str naming a file whose directory exists, or the error that names it."""
+    path = fspath(op, "path", path, "file")
     if os.path.isdir(path):
         raise ValueError(f"{op}: path must name a file, got the directory {path!r}")
     folder = os.path.dirname(os.path.abspath(path))
@@ -118,22 +143,36 @@ def checked_path(op: str, path) -> str:
     return path
 
 
-def write_file(path: str, header: Dict[str, object], names, produce) -> None:
-    """Write a safetensors file: `header` (every entry's dtype, shape and byte range, already
-    checked), then for each name in `names`, in order, the bytes of `produce(name)`, dropped
-    before the next is made. The bytes go to a temporary file of the same directory, unique to
-    this call, which replaces `path` atomically (os.replace) once complete."""
+def temporary_name() -> str:
+    """A file name unique to this call: process, thread and a random part."""
+    return f"zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}"
+
+
+def write_file(path: str, metadata: Dict[str, str], entries, produce) -> None:
+    """Write a safetensors file: `metadata` (if any) and, for each (name, dtype, shape) of
+    `entries` (already checked), in order, the bytes of `produce(name)`, dropped before the
+    next is made. The bytes go to a temporary file of the same directory, unique to this call
+    and created exclusively, which replaces `path` atomically (os.replace) once complete."""
+    header: Dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": MX_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    # Unique per call (process, thread, and a random part), created exclusively ("xb").
-    tmp = f"{path}.zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}"
+    tmp = f"{path}.{temporary_name()}"
     created = False
     try:
         with open(tmp, "xb") as f:
             created = True
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for name in names:
+            for name, _, _ in entries:
                 value = produce(name)
                 data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(data.numpy()))  # no copy of the bytes

@@ -2,7 +2,10 @@
 
 Public as zrw.checkpoint.export_mx, iter_mx_state_dict, load_mx and save_mx_pretrained: each
 converted weight's forward MXFP8 plane, byte for byte, as torchao's MX inference tensor
-(MXTensor), the rest of the state dict as zrw.checkpoint.iter_state_dict gives it.
+(MXTensor), the rest of the state dict as zrw.checkpoint.iter_state_dict gives it. That plane
+(E4M3 or E5M2 codes in blocks of 32 along K, one E8M0 scale per block, (.., N, K/32); for
+"mxfp8-32x32" the row expansion of the tile scales) is the layout of torchao's MXTensor for a
+linear weight, so zrw's bytes go to torchao unchanged: nothing is re-quantized by torchao.
 """
 
 from __future__ import annotations
@@ -11,9 +14,7 @@ import copy
 import json
 import os
 import shutil
-import threading
-import uuid
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,37 +22,46 @@ from torch import Tensor
 from . import cache, lifecycle
 from ._dtensor import is_dtensor, local_tensor
 from ._safetensors import (
-    DTYPES,
+    MX_DTYPES,
+    checked_entry,
     checked_model,
     checked_path,
-    released_master,
+    fspath,
     saved_value,
     state_plan,
+    temporary_name,
     write_file,
 )
 from .planes import MXPlanesCarrier, is_zrw_layer
 from .record import find_record
 
-# ---- the training grid exported: torchao MX inference tensors ------------------------------
-#
-# docs/design.md §3 (numerics) and §5 (the cache): a converted weight's forward plane is its
-# E4M3 (or E5M2) codes in blocks of 32 along K (the last axis of W (N, K) or (E, N, K)) with
-# one E8M0 scale per block, (.., N, ceil(K/32)); for "mxfp8-32x32" it is the row expansion of
-# the 32x32 tile scales (each tile's scale repeated for its 32 rows), the same codes. That is
-# the layout of torchao's MXTensor for a linear weight (block_size 32 along the last axis,
-# scale torch.float8_e8m0fnu of shape (.., N, K/32), unswizzled), so the export hands zrw's
-# bytes to torchao unchanged; nothing is re-quantized with torchao's rule.
-
-_KERNELS = ("emulated", "auto")
-_EXPERTS = ("refuse", "bf16")
 _SCALE_DTYPE = torch.float8_e8m0fnu
-_MX_FILE_DTYPES = {**DTYPES, _SCALE_DTYPE: "F8_E8M0"}
+_CHOICES = {  # argument -> (its values, what it means)
+    "kernel": (
+        ("emulated", "auto"),
+        "torchao's KernelPreference: 'emulated' runs on any device, 'auto' needs torchao's MX "
+        "GEMM on a CUDA GPU",
+    ),
+    "experts": (
+        ("refuse", "bf16"),
+        "what to do with 3-d expert stacks, which torchao's MXTensor cannot serve in "
+        "transformers' experts",
+    ),
+}
 
 
-def _torchao(op: str):
-    """torchao's MX tensor and its kwargs (an optional dependency: `pip install torchao`)."""
+def _choice(op: str, arg: str, value) -> str:
+    allowed, why = _CHOICES[arg]
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{op}: {arg} must be one of {allowed} ({why}), got {value!r}")
+    return value
+
+
+def _torchao(op: str, kernel: str = "emulated", scale_mode: str = "rceil"):
+    """torchao's MXTensor and QuantizeTensorToMXKwargs, with the KernelPreference of `kernel`
+    and the ScaleCalculationMode of `scale_mode` (torchao is an optional dependency)."""
     try:
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode as Mode
         from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
     except ImportError as e:  # pragma: no cover - torchao is in the test extra
@@ -59,38 +69,21 @@ def _torchao(op: str):
             f"{op}: the MX export builds torchao's MXTensor (torchao.prototype.mx_formats), "
             f"but torchao could not be imported ({e}); install it: pip install torchao==0.18.0"
         ) from e
-    return MXTensor, QuantizeTensorToMXKwargs, ScaleCalculationMode, KernelPreference
+    pref = KernelPreference.EMULATED if kernel == "emulated" else KernelPreference.AUTO
+    mode = Mode.RCEIL if scale_mode == "rceil" else Mode.FLOOR
+    return MXTensor, QuantizeTensorToMXKwargs, pref, mode
 
 
-def _check_kernel(op: str, kernel) -> str:
-    if not isinstance(kernel, str) or kernel not in _KERNELS:
-        raise ValueError(
-            f"{op}: kernel must be one of {_KERNELS} (torchao's KernelPreference: 'emulated' "
-            f"runs on any device, 'auto' needs torchao's MX GEMM on a CUDA GPU), got {kernel!r}"
-        )
-    return kernel
+class _MXEntry(NamedTuple):
+    """One converted weight of the export plan."""
 
-
-class _MXEntry:
-    """One converted weight of the export plan: its layer, parameter and recipe."""
-
-    __slots__ = ("name", "module", "param", "recipe")
-
-    def __init__(self, name: str, module: torch.nn.Module, param: Tensor, recipe) -> None:
-        self.name, self.module, self.param, self.recipe = name, module, param, recipe
-
-
-def _check_experts(op: str, experts) -> str:
-    if not isinstance(experts, str) or experts not in _EXPERTS:
-        raise ValueError(
-            f"{op}: experts must be one of {_EXPERTS} (what to do with 3-d expert stacks, "
-            f"which torchao's MXTensor cannot serve in transformers' experts), got {experts!r}"
-        )
-    return experts
+    name: str
+    param: Tensor
+    recipe: object
 
 
 def _mx_plan(
-    op: str, model: torch.nn.Module, experts: str = "refuse"
+    op: str, model: torch.nn.Module, experts: str
 ) -> Tuple[Dict[str, Tensor], Dict[str, _MXEntry]]:
     """model.state_dict() (released weights as themselves) and, by state-dict name, the
     converted weights to export as MX; every refusal is raised here, before anything is
@@ -99,12 +92,11 @@ def _mx_plan(
     plan = state_plan(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     mx: Dict[str, _MXEntry] = {}
-    for name, t in plan.items():
+    for name in plan:
         prefix, _, pname = name.rpartition(".")
         module = modules.get(prefix)
-        if module is None or not is_zrw_layer(module) or pname not in module.zrw_quantized:
-            continue
-        mx[name] = _MXEntry(name, module, module._parameters.get(pname), module.recipe)
+        if module is not None and is_zrw_layer(module) and pname in module.zrw_quantized:
+            mx[name] = _MXEntry(name, module._parameters.get(pname), module.recipe)
     if not mx:
         raise ValueError(
             f"{op}: model has no converted weights (no zrw layer: MXLinear, MXFusedExperts); "
@@ -190,11 +182,9 @@ def _mx_plan(
 
 
 def _forward_plane(e: _MXEntry) -> Tuple[Tensor, Tensor]:
-    """The forward plane of a converted weight, as copies: the cached one where the cache holds
-    it (the copy the forwards of this step used, or a frozen weight's only value), else what
-    the next forward will use, made the same way (from its FP32 master when released for the
-    BF16-free step, else from its current values), without filing or releasing anything: the
-    cache's inference read (docs/design.md §5), which changes no entry, state or record."""
+    """The forward plane of a converted weight, as copies: the cache's inference read
+    (docs/design.md §5), which serves the cached copy or makes the one the next forward will
+    use (from the FP32 master after a BF16-free step) and changes no entry, state or record."""
     w = local_tensor(e.param)
     r = e.recipe
     tensors = lifecycle.served(w, (r.cache_layout, r.elem_dtype, r.scale_mode), e.name)
@@ -209,24 +199,13 @@ def _forward_plane(e: _MXEntry) -> Tuple[Tensor, Tensor]:
     return data.clone(), scale.clone()
 
 
-def _mx_kwargs(op: str, recipe, kernel: str):
-    MXTensor, Kwargs, Mode, Pref = _torchao(op)
-    pref = Pref.EMULATED if kernel == "emulated" else Pref.AUTO
-    mode = Mode.RCEIL if recipe.scale_mode == "rceil" else Mode.FLOOR
+def _mx_tensor(op: str, e: _MXEntry, data: Tensor, scale: Tensor, kernel: str):
+    MXTensor, Kwargs, pref, mode = _torchao(op, kernel, e.recipe.scale_mode)
     # The activations: quantized by torchao at serving time, as zrw's layers do (1x32 blocks
     # along K, the recipe's element dtype and scale rule).
     act = Kwargs(
-        elem_dtype=recipe.elem_dtype,
-        block_size=32,
-        scaling_mode=mode,
-        kernel_preference=pref,
-        is_swizzled_scales=False,
+        elem_dtype=e.recipe.elem_dtype, block_size=32, scaling_mode=mode, kernel_preference=pref
     )
-    return MXTensor, pref, act
-
-
-def _mx_tensor(op: str, e: _MXEntry, data: Tensor, scale: Tensor, kernel: str):
-    MXTensor, pref, act = _mx_kwargs(op, e.recipe, kernel)
     return MXTensor(data, scale, data.dtype, 32, e.param.dtype, pref, act, False)
 
 
@@ -234,14 +213,13 @@ def iter_mx_state_dict(
     model: torch.nn.Module, *, kernel: str = "emulated", experts: str = "refuse"
 ) -> Iterator[Tuple[str, Tensor]]:
     """(name, tensor) for every entry of `model.state_dict()`, in its order, each converted
-    weight as torchao's MXTensor holding zrw's forward plane: E4M3 codes and E8M0 block scales
-    byte for byte those the forward uses (see `export_mx`), the rest as `iter_state_dict`
-    gives it (BF16 as trained). One MX weight's codes and scales (about 1.03 bytes per element)
-    are copied when its turn comes; drop it before asking for the next. Every check runs at
-    the call, before anything is iterated."""
+    weight as torchao's MXTensor holding zrw's forward plane (see `export_mx`), the rest as
+    `iter_state_dict` gives it (BF16 as trained). One MX weight's codes and scales (about 1.03
+    bytes per element) are copied when its turn comes; drop it before asking for the next.
+    Every check runs at the call, before anything is iterated."""
     op = "zrw.checkpoint.iter_mx_state_dict"
-    _check_kernel(op, kernel)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    _choice(op, "kernel", kernel)
+    plan, mx = _mx_plan(op, model, _choice(op, "experts", experts))
     _torchao(op)
 
     def entries() -> Iterator[Tuple[str, Tensor]]:
@@ -266,95 +244,61 @@ def export_mx(
     MX inference tensor (MXTensor), every other entry of the state dict as it is (BF16).
 
     The codes and scales are byte for byte the forward plane zrw computes with: the cached
-    copy where the cache holds one (the copy this step's forwards used; a frozen weight
-    released for good: its only value), else the one the next forward makes, with zrw's own
-    op and scale rule: from the FP32 master after a BF16-free step (never from a rounded BF16
-    copy), else from the weight's current values. "mxfp8-32x32": each 32x32 tile's scale is
-    repeated for its 32 rows (the plane the forward GEMM reads; same codes, same values).
+    copy where the cache holds one, else the one the next forward makes, with zrw's own op and
+    scale rule (from the FP32 master after a BF16-free step, never from a rounded BF16 copy).
     Nothing in the cache changes. Activations are quantized by torchao at serving time with
     the recipe's element dtype and scale rule; `kernel` is torchao's KernelPreference:
-    "emulated" (dequantize and run a BF16 GEMM; any device) or "auto" (torchao's MX GEMM, a
-    CUDA GPU that has one).
+    "emulated" (any device) or "auto" (torchao's MX GEMM, a CUDA GPU that has one).
 
     path None: returns the state dict (name -> MXTensor or tensor). Else writes a safetensors
-    file in torchao's format (`<module>._<param>_qdata` / `_scale` and torchao's metadata, as
-    `torchao.prototype.safetensors` and transformers' torchao loader read it), one tensor at a
-    time as save_safetensors does, and returns None; `load_mx` reads it into an unconverted
-    model, `save_mx_pretrained` writes a directory `from_pretrained` loads. Every check runs
-    before anything is quantized or the file is opened (docs/export.md)."""
+    file in torchao's format (as `torchao.prototype.safetensors` and transformers' torchao
+    loader read it), one tensor at a time as save_safetensors does, and returns None. Every
+    check runs before anything is quantized or the file is opened."""
     op = "zrw.checkpoint.export_mx"
-    _check_kernel(op, kernel)
+    _choice(op, "kernel", kernel)
     if path is not None:
         path = checked_path(op, path)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    plan, mx = _mx_plan(op, model, _choice(op, "experts", experts))
     _torchao(op)
     if path is None:
         return dict(iter_mx_state_dict(model, kernel=kernel, experts=experts))
-    header, names, produce = _mx_file(op, plan, mx, kernel)
-    write_file(path, header, names, produce)
+    write_file(path, *_mx_file(op, plan, mx, kernel))
     return None
 
 
 def _mx_file(op, plan, mx, kernel):
     """The safetensors file of an MX export, checked and laid out, nothing written yet:
-    (header, file names in order, produce(file name) -> the tensor to write). Every refusal
-    is raised here, before any file is opened or created."""
+    (metadata, entries (file name, dtype, shape) in order, produce(file name) -> the tensor to
+    write). Every refusal is raised here, before any file is opened or created."""
     from torchao.prototype.safetensors.safetensors_utils import TensorSubclassAttributeJSONEncoder
 
-    header: Dict[str, object] = {}
     metadata: Dict[str, str] = {"format": "pt"}
     parts: Dict[str, Tuple[str, str]] = {}  # file name -> (state-dict name, "qdata"/"scale")
-    shapes: list = []
+    entries: list = []
     for name, t in plan.items():
         e = mx.get(name)
         if e is None:
-            if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"{op}: state-dict entry '{name}' must be a tensor, got {type(t).__name__}"
-                )
-            if is_dtensor(t):
-                raise TypeError(f"{op}: '{name}' is a DTensor (a sharded model)")
-            if t.dtype not in _MX_FILE_DTYPES:
-                raise TypeError(
-                    f"{op}: '{name}' has dtype {t.dtype}, which safetensors cannot hold"
-                )
-            released_master(name, t)  # a released weight without a master: raises before any write
+            checked_entry(op, name, t, MX_DTYPES)
             metadata[name] = json.dumps({"_type": "Tensor"})
-            shapes.append((name, t.dtype, list(t.shape)))
+            entries.append((name, t.dtype, t.shape))
             parts[name] = (name, "")
             continue
         p = e.param
         sshape = [*p.shape[:-1], p.shape[-1] // 32]
-        meta_mx = _mx_tensor(
-            op,
-            e,
-            torch.empty(p.shape, dtype=e.recipe.elem_dtype, device="meta"),
+        elem = e.recipe.elem_dtype
+        meta = (
+            torch.empty(p.shape, dtype=elem, device="meta"),
             torch.empty(sshape, dtype=_SCALE_DTYPE, device="meta"),
-            kernel,
         )
-        metadata[name] = json.dumps(meta_mx, cls=TensorSubclassAttributeJSONEncoder)
+        metadata[name] = json.dumps(
+            _mx_tensor(op, e, *meta, kernel), cls=TensorSubclassAttributeJSONEncoder
+        )
         module, _, pname = name.rpartition(".")
-        for part, dtype, shape in (
-            ("qdata", e.recipe.elem_dtype, list(p.shape)),
-            ("scale", _SCALE_DTYPE, sshape),
-        ):
+        for part, dtype, shape in (("qdata", elem, p.shape), ("scale", _SCALE_DTYPE, sshape)):
             fname = f"{module}._{pname}_{part}"
-            shapes.append((fname, dtype, shape))
+            entries.append((fname, dtype, shape))
             parts[fname] = (name, part)
     metadata["tensor_names"] = json.dumps(list(plan))
-    header["__metadata__"] = metadata
-    offset = 0
-    for fname, dtype, shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        header[fname] = {
-            "dtype": _MX_FILE_DTYPES[dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
     held: Dict[str, Tensor] = {}  # the scale of the weight whose codes were just written
 
     def produce(fname: str) -> Tensor:
@@ -362,20 +306,19 @@ def _mx_file(op, plan, mx, kernel):
         if not part:
             return saved_value(name, plan[name])
         if part == "qdata":
-            data, scale = _forward_plane(mx[name])
-            held[name] = scale
+            data, held[name] = _forward_plane(mx[name])
             return data
         return held.pop(name)
 
-    return header, [f for f, _, _ in shapes], produce
+    return metadata, entries, produce
 
 
 def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Module:
     """Load a file written by `export_mx(model, path)` into `model`, an unconverted model of
-    the same architecture (e.g. built from the same config): each exported weight becomes an
-    `nn.Parameter(MXTensor, requires_grad=False)` (torchao's MX inference weight: nn.Linear
-    runs it through torchao's MX linear), every other entry is loaded as it was saved.
-    Returns `model` (a `torch.compile` wrapper: the wrapper, its model loaded).
+    the same architecture: each exported weight becomes an `nn.Parameter(MXTensor,
+    requires_grad=False)` (nn.Linear runs it through torchao's MX linear), every other entry is
+    loaded as it was saved. Returns `model` (a `torch.compile` wrapper: the wrapper, its model
+    loaded).
 
     All or nothing, as a converted model's `load_state_dict`: every entry of the file is
     checked against the model first (each MX weight names a parameter of its shape, each other
@@ -394,7 +337,7 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
             f"{' and more' if len(layers) > 3 else ''}): load the MX export into an unconverted "
             "model of the same architecture (torchao's MX weights run in nn.Linear)"
         )
-    _torchao(op)
+    MXTensor = _torchao(op)[0]
     from safetensors import safe_open
     from safetensors.torch import load_file
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
@@ -410,19 +353,16 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
     state, leftover = unflatten_tensor_state_dict(load_file(path), metadata)
     if leftover:
         raise ValueError(f"{op}: {path!r} holds tensors no entry names: {sorted(leftover)[:5]}")
-    MXTensor = _torchao(op)[0]
     mx = {k: v for k, v in state.items() if isinstance(v, MXTensor)}
     plain = {k: v for k, v in state.items() if k not in mx}
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    # What load_state_dict(strict=True) would write into (the model's persistent entries):
-    # every entry is checked against it before the first one is written.
+    # What load_state_dict(strict=True) would write into: checked before the first write.
     targets = model.state_dict(keep_vars=True)
     errors = []
     for name, t in mx.items():
-        prefix, _, pname = name.rpartition(".")
         old = params.get(name)
-        if old is None or prefix not in modules:
+        if old is None or name.rpartition(".")[0] not in modules:
             errors.append(f"MX weight '{name}' is in the file, but the model has no such parameter")
         elif tuple(old.shape) != tuple(t.shape):
             errors.append(
@@ -430,13 +370,12 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
                 f"parameter has {tuple(old.shape)}"
             )
     for name, t in plain.items():
+        target = targets.get(name)
         if name not in targets:
             errors.append(f"'{name}' is in the file, but the model has no such entry")
-            continue
-        target = targets[name]
-        if not isinstance(target, Tensor):
+        elif not isinstance(target, Tensor):
             continue  # a module's extra state: its own set_extra_state checks it
-        if not isinstance(t, Tensor):
+        elif not isinstance(t, Tensor):
             errors.append(f"'{name}' must be a tensor in the file, found {type(t).__name__}")
         elif tuple(t.shape) != tuple(target.shape) and not (
             target.dim() == 0 and tuple(t.shape) == (1,)
@@ -468,39 +407,6 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
     return given
 
 
-def _checked_directory(op: str, save_directory) -> str:
-    """`save_directory` as a str naming a directory (existing or not), or the error that
-    names it; nothing is created here."""
-    if not isinstance(save_directory, (str, os.PathLike)):
-        raise TypeError(
-            f"{op}: save_directory must be a str or an os.PathLike, got "
-            f"{type(save_directory).__name__}"
-            + (" (decode it: os.fsdecode(...))" if isinstance(save_directory, bytes) else "")
-        )
-    path = os.fspath(save_directory)
-    if not isinstance(path, str):
-        raise TypeError(
-            f"{op}: save_directory must be a str or an os.PathLike giving a str, got an "
-            f"os.PathLike giving {type(path).__name__}"
-        )
-    if not path:
-        raise ValueError(f"{op}: save_directory must name a directory, got ''")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{op}: save_directory {path!r} is a file, not a directory")
-    return path
-
-
-def _existing_ancestor(path: str) -> str:
-    """`path` if it is a directory, else its nearest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def save_mx_pretrained(
     model: torch.nn.Module,
     save_directory: "str | os.PathLike",
@@ -512,19 +418,20 @@ def save_mx_pretrained(
     inference model: `config.json` with `quantization_config` = TorchAoConfig(
     MXDynamicActivationMXWeightConfig(...)) (the recipe's element dtype and scale rule,
     `kernel`), `generation_config.json` where the model has one, and `model.safetensors`
-    written by `export_mx` (one tensor at a time). `model` is a converted transformers
-    model (it has `config.save_pretrained`; a `torch.compile` wrapper of one); its own config
-    is left unchanged.
+    written as by `export_mx`. `model` is a converted transformers model (or a `torch.compile`
+    wrapper of one); its own config is left unchanged.
 
     All or nothing: every check runs before anything is created, and the files are written
     into a temporary directory that takes `save_directory`'s place (or whose files replace
     those of an existing `save_directory`) only once all of them are complete, so a refused or
     failed call creates no directory and leaves no file behind."""
     op = "zrw.checkpoint.save_mx_pretrained"
-    _check_kernel(op, kernel)
+    _choice(op, "kernel", kernel)
     model = checked_model(op, model)
-    save_directory = _checked_directory(op, save_directory)
-    plan, mx = _mx_plan(op, model, _check_experts(op, experts))
+    save_directory = fspath(op, "save_directory", save_directory, "directory")
+    if os.path.exists(save_directory) and not os.path.isdir(save_directory):
+        raise ValueError(f"{op}: save_directory {save_directory!r} is a file, not a directory")
+    plan, mx = _mx_plan(op, model, _choice(op, "experts", experts))
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
@@ -546,31 +453,28 @@ def save_mx_pretrained(
     from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
     from transformers import TorchAoConfig
 
-    _, Kwargs, Mode, Pref = _torchao(op)
-    ((elem, mode),) = recipes
+    ((elem, scale_mode),) = recipes
+    _, _, pref, mode = _torchao(op, kernel, scale_mode)
     qc = TorchAoConfig(
         MXDynamicActivationMXWeightConfig(
-            activation_dtype=elem,
-            weight_dtype=elem,
-            kernel_preference=Pref.EMULATED if kernel == "emulated" else Pref.AUTO,
-            scaling_mode=Mode.RCEIL if mode == "rceil" else Mode.FLOOR,
+            activation_dtype=elem, weight_dtype=elem, kernel_preference=pref, scaling_mode=mode
         )
     )
-    header, names, produce = _mx_file(op, plan, mx, kernel)
+    file = _mx_file(op, plan, mx, kernel)
     config = copy.deepcopy(config)  # the model's own config stays as it is
     config.quantization_config = qc
     # from_pretrained's dtype="auto" reads it (it cannot infer one from E8M0 scales).
     config.dtype = next(iter(dtypes))
     gen = getattr(model, "generation_config", None)
-    # Staged next to (or inside) the target, on its file system: a rename puts it in place.
-    # (mkdir, not mkdtemp: the directory gets the mode of any other the user creates.)
-    staging = os.path.join(
-        _existing_ancestor(save_directory),
-        f".zrw-tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:12]}",
-    )
+    # Staged in the nearest existing directory of the target, on its file system: a rename puts
+    # it in place. (mkdir, not mkdtemp: the directory gets the mode of any other one.)
+    ancestor = os.path.abspath(save_directory)
+    while not os.path.isdir(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    staging = os.path.join(ancestor, "." + temporary_name())
     os.mkdir(staging)
     try:
-        write_file(os.path.join(staging, "model.safetensors"), header, names, produce)
+        write_file(os.path.join(staging, "model.safetensors"), *file)
         config.save_pretrained(staging)
         if gen is not None and hasattr(gen, "save_pretrained"):
             gen.save_pretrained(staging)
@@ -578,8 +482,7 @@ def save_mx_pretrained(
             for fname in sorted(os.listdir(staging)):
                 os.replace(os.path.join(staging, fname), os.path.join(save_directory, fname))
         else:
-            parent = os.path.dirname(os.path.abspath(save_directory))
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(save_directory)), exist_ok=True)
             os.rename(staging, save_directory)
     finally:
         if os.path.isdir(staging):
