@@ -1,56 +1,44 @@
 """Numerics telemetry: what MXFP8 quantization does to each layer's weights, activations and
-gradients, measured on your own model while it trains.
+gradients, measured on your own model while it trains (docs/accuracy.md shows its use):
 
     with zrw.telemetry.collect(model) as tel:        # hooks live only inside the block
         model(**batch).loss.backward()               # one step (or several)
-    print(tel.table())                               # per layer and tensor
-    rows = tel.records()                             # the same as dicts (JSON-ready)
+    print(tel.table())                               # per layer and tensor; tel.records(): dicts
 
-For every zrw layer of a converted model (a module with `zrw_quantized` and a `recipe`, e.g.
-zrw.nn.MXLinear) it quantizes, with the layer's own recipe (element format, scale rule, block
-shape), the tensors the layer's GEMMs quantize, dequantizes them and compares with the input:
+Each zrw layer's tensors are quantized with the layer's own recipe (element format, scale
+rule, block shape), dequantized and compared with the input:
 
   weight      the forward operand: blocks of 32 along K (`mxfp8`) or 32x32 tiles (`mxfp8-32x32`)
   weight_bwd  `mxfp8` only: the backward copy, blocks of 32 along N (the 32x32 copy is both)
   activation  the layer's input x, blocks of 32 along K (the forward GEMM's operand)
   gradient    the gradient of the layer's output dy, blocks of 32 along N (the dgrad operand)
 
-and reports per (layer, tensor):
+and reported per (layer, tensor, scale rule):
 
   sqnr_db     10 log10(sum x^2 / sum (x - dequant(quant(x)))^2); inf for an exact copy
   saturated   fraction of elements clamped: |x| beyond the largest element (448 for E4M3) times
-              the block's scale. Only the `floor` rule saturates (`rceil` picks the scale so that
-              the block's largest value fits).
+              the block's scale (only the `floor` rule saturates)
   flushed     fraction of elements that are not zero but quantize to zero (underflow)
 
 Weights are read once per optimizer step (zrw.cache's step counter), as the value the layer
-quantizes: a weight that is not released is its own storage (also right after a
-`load_state_dict`, an `apply` or a write through `.data`: its FP32 master takes that value only
-at its next use in training); a released weight is its FP32 master rounded to the weight's
-dtype (bitwise what the layer quantizes; zrw.cache.master_of); a frozen weight released for
-good without a master is not measured (its FP8 copy is its only value). Activations
-and gradients are measured at every call inside the block and summed over calls (a forward
-hook, and a gradient hook on the layer's output). Grouped-expert layers (3-D weights) report
-their weights only. `recipe=` also measures the plain nn.Linear layers of an unconverted model
-as that recipe would quantize them; `scale_modes=("floor", "rceil")` measures each tensor under
-both scale rules, whatever the layers use, to compare them on the same values.
+quantizes (`_weight_value`); activations and gradients at every call inside the block, summed
+over calls. Grouped-expert layers (3-D weights) report their weights only. `recipe=` also
+measures the plain nn.Linear layers as that recipe would; `scale_modes=` measures each tensor
+under the rules given instead of the layers' own.
 
 Nothing changes what the model computes: the hooks read tensors and return nothing, and outside
-the block there are no hooks at all (zero cost when off). Inside it each measured tensor costs
-one extra quantize and dequantize. The hooks run eagerly (they read tensor values): a
-`torch.compile(model)` wrapper is measured as the model it wraps, with a graph break at each
-measured layer while the block is open.
-
-Arguments are checked when the collector is made, each error naming the argument, what was
-expected and what was found: `tensors`, `layers` and `scale_modes` take one str (one tensor
-kind, one name part, one scale rule) or an iterable of str, never a str's characters; a name
-part in `layers` that matches no measured layer is refused (a typo would measure nothing).
+the block there are none (zero cost when off); inside it each measured tensor costs one extra
+quantize and dequantize. The hooks run eagerly: a `torch.compile(model)` wrapper is measured as
+the model it wraps, with a graph break at each measured layer while the block is open.
+Arguments are checked when the collector is made: `tensors`, `layers` and `scale_modes` take
+one str or an iterable of str, never a str's characters, and a `layers` name part that matches
+no measured layer is refused.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -59,12 +47,11 @@ from torch import Tensor, nn
 from . import cache, ops
 from .config import QuantRecipe, get_recipe
 from .planes import MXPlanesCarrier, is_zrw_layer, unwrap_model
+from .reference import BLOCK, ELEM_MAX
 
 __all__ = ["QuantStats", "NumericsTelemetry", "collect", "quant_stats", "TENSORS"]
 
 TENSORS = ("weight", "weight_bwd", "activation", "gradient")
-_ELEM_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_BLOCK = 32
 
 
 @dataclass
@@ -81,22 +68,21 @@ class QuantStats:
     calls: int = 0
 
     def __post_init__(self):
-        for name in ("elements", "nonzero", "saturated", "flushed", "calls"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise TypeError(f"zrw.telemetry.QuantStats: {name} must be an int >= 0, got {v!r}")
-        for name in ("signal", "noise"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"zrw.telemetry.QuantStats: {name} must be a float, got {v!r}")
+        for f in fields(self):
+            v, counts = getattr(self, f.name), f.type == "int"
+            if isinstance(v, bool) or not (
+                isinstance(v, int) and v >= 0 if counts else isinstance(v, (int, float))
+            ):
+                want = "an int >= 0" if counts else "a float"
+                raise TypeError(f"zrw.telemetry.QuantStats: {f.name} must be {want}, got {v!r}")
 
     def add(self, other: "QuantStats") -> "QuantStats":
         if not isinstance(other, QuantStats):
             raise TypeError(
                 f"QuantStats.add: other must be a QuantStats, got {type(other).__name__}"
             )
-        for name in ("elements", "nonzero", "saturated", "flushed", "signal", "noise", "calls"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
 
     @property
@@ -118,14 +104,9 @@ class QuantStats:
         return self.flushed / self.elements if self.elements else math.nan
 
     def as_dict(self) -> dict:
-        return {
-            "sqnr_db": self.sqnr_db,
-            "saturated": self.saturated_fraction,
-            "flushed": self.flushed_fraction,
-            "elements": self.elements,
-            "nonzero": self.nonzero,
-            "calls": self.calls,
-        }
+        fractions = {"saturated": self.saturated_fraction, "flushed": self.flushed_fraction}
+        counts = {"elements": self.elements, "nonzero": self.nonzero, "calls": self.calls}
+        return {"sqnr_db": self.sqnr_db} | fractions | counts
 
 
 def _scale_values(scale: Tensor) -> Tensor:
@@ -169,7 +150,7 @@ def quant_stats(
             f"{op}: dim must be in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, "
             f"got {dim}"
         )
-    if not isinstance(elem_dtype, torch.dtype) or elem_dtype not in _ELEM_MAX:
+    if not isinstance(elem_dtype, torch.dtype) or elem_dtype not in ELEM_MAX:
         raise TypeError(
             f"{op}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype!r}"
         )
@@ -188,12 +169,12 @@ def quant_stats(
     xf = x.to(torch.float32)
     length = x.shape[dim]
     # Each element's block scale, laid out as x (the last block along dim may be shorter).
-    per_element = _scale_values(scale).repeat_interleave(_BLOCK, dim).narrow(dim, 0, length)
+    per_element = _scale_values(scale).repeat_interleave(BLOCK, dim).narrow(dim, 0, length)
     finite = torch.isfinite(per_element)
     err = torch.where(finite, xf - deq, torch.zeros_like(xf))
     signal = torch.where(finite, xf, torch.zeros_like(xf))
     nonzero = (xf != 0) & finite
-    limit = _ELEM_MAX[elem_dtype] * per_element
+    limit = ELEM_MAX[elem_dtype] * per_element
     return QuantStats(
         elements=int(finite.sum()),
         nonzero=int(nonzero.sum()),
@@ -225,7 +206,7 @@ def _weight_value(w: Tensor) -> Optional[Tensor]:
     gathered planes, a frozen weight released for good without a master (its FP8 copy is its
     only value)."""
     if isinstance(w, MXPlanesCarrier):
-        return None  # FSDP2's gathered planes: no values to compare with
+        return None
     local = w.to_local() if hasattr(w, "to_local") else w
     if not cache.cache_state(local).released:
         return local.detach()
@@ -233,12 +214,14 @@ def _weight_value(w: Tensor) -> Optional[Tensor]:
     return None if master is None else master.detach().to(local.dtype)
 
 
-def _names(op: str, arg: str, value, what: str) -> Tuple[str, ...]:
+def _names(op: str, arg: str, value, allowed: Optional[tuple] = None) -> Tuple[str, ...]:
     """`value` as a tuple of str: one str is ONE name (never its characters), else an iterable
-    of str; anything else is the TypeError that names the argument."""
+    of str, with `allowed`: at least one, each in it; without: layer name parts, none empty.
+    Anything else is the error that names the argument."""
+    what = f"among {allowed}" if allowed else "name parts of the layers to measure"
     if isinstance(value, str):
-        return (value,)
-    if isinstance(value, (bytes, bytearray, dict)) or not isinstance(value, Iterable):
+        value = (value,)
+    elif isinstance(value, (bytes, bytearray, dict)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{op}: {arg} must be a str or an iterable of str ({what}), got {type(value).__name__}"
         )
@@ -248,18 +231,23 @@ def _names(op: str, arg: str, value, what: str) -> Tuple[str, ...]:
             raise TypeError(
                 f"{op}: {arg} must hold str ({what}), got {arg}[{i}] = {v!r} ({type(v).__name__})"
             )
+    if allowed and (not out or any(v not in allowed for v in out)):
+        raise ValueError(f"{op}: {arg} must name at least one of {allowed}, got {out!r}")
+    if not allowed and "" in out:
+        raise ValueError(
+            f"{op}: {arg}[{out.index('')}] is the empty string, which every layer name "
+            f"contains; pass {arg}=None to measure every layer"
+        )
     return out
 
 
 class NumericsTelemetry:
-    """Collects QuantStats per layer and tensor while installed (see the module docstring).
-
-    `model`: any nn.Module (a `torch.compile` wrapper: the model it wraps); its zrw layers are
-    measured (with `recipe`, also its plain nn.Linear layers). `tensors`: which of TENSORS to
-    measure, one name or several. `layers`: optional name parts, one str or several; a layer is
-    measured when its qualified name contains one of them (`layers="fc1"` is `["fc1"]`, and
-    also measures "fc10"; a part that matches no measured layer raises ValueError).
-    `scale_modes`: measure under these scale rules (one or several) instead of each layer's own.
+    """Collects QuantStats per layer, tensor and scale rule while installed (see the module
+    docstring). `model` (a `torch.compile` wrapper: the model it wraps): its zrw layers are
+    measured (with `recipe`, also its plain nn.Linear layers). `tensors`: which of TENSORS.
+    `layers`: name parts; a layer is measured when its qualified name contains one of them
+    (`layers="fc1"` is `["fc1"]`, and also measures "fc10"). `scale_modes`: measure under
+    these scale rules instead of each layer's own.
 
     Use as a context manager (`with collect(model) as tel:`) or with start() / stop().
     """
@@ -276,21 +264,10 @@ class NumericsTelemetry:
         op = "zrw.telemetry.NumericsTelemetry"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-        model = unwrap_model(model)  # torch.compile(model): the model's own names and modules
-        self.tensors = _names(op, "tensors", tensors, f"among {TENSORS}")
-        unknown = [t for t in self.tensors if t not in TENSORS]
-        if unknown or not self.tensors:
-            raise ValueError(
-                f"{op}: tensors must name at least one of {TENSORS}, got {self.tensors!r}"
-            )
+        model = unwrap_model(model)
+        self.tensors = _names(op, "tensors", tensors, TENSORS)
         if scale_modes is not None:
-            scale_modes = _names(op, "scale_modes", scale_modes, f"among {ops.SCALE_MODES}")
-            bad = [m for m in scale_modes if m not in ops.SCALE_MODES]
-            if bad or not scale_modes:
-                raise ValueError(
-                    f"{op}: scale_modes must be None or name at least one of "
-                    f"{ops.SCALE_MODES}, got {scale_modes!r}"
-                )
+            scale_modes = _names(op, "scale_modes", scale_modes, ops.SCALE_MODES)
         self.scale_modes = scale_modes
         if recipe is not None and not isinstance(recipe, (str, QuantRecipe)):
             raise TypeError(
@@ -301,50 +278,29 @@ class NumericsTelemetry:
             default = None if recipe is None else get_recipe(recipe)
         except ValueError as e:
             raise ValueError(f"{op}: recipe: {e}") from None
-        parts = None
-        if layers is not None:
-            parts = _names(op, "layers", layers, "name parts of the layers to measure")
-            for i, part in enumerate(parts):
-                if not part:
-                    raise ValueError(
-                        f"{op}: layers[{i}] is the empty string, which every layer name "
-                        "contains; pass layers=None to measure every layer"
-                    )
+        parts = None if layers is None else _names(op, "layers", layers)
         self._layers: List[_Layer] = []
-        matched = set()
+        measurable, matched = [], set()
         for name, m in model.named_modules():
             if is_zrw_layer(m):
-                weights = tuple(m.zrw_quantized)
-                rcp = m.recipe
+                weights, rcp = tuple(m.zrw_quantized), m.recipe
             elif default is not None and type(m) is nn.Linear:
                 weights, rcp = ("weight",), default
             else:
                 continue
-            if parts is not None:
-                hits = [p for p in parts if p in name]
-                if not hits:
-                    continue
-                matched.update(hits)
-            w0 = getattr(m, weights[0])
-            linear = weights == ("weight",) and w0.dim() == 2
-            self._layers.append(_Layer(name, m, rcp, weights, linear))
-        if parts is not None:
-            unmatched = [p for p in parts if p not in matched]
-            if unmatched:
-                raise ValueError(
-                    f"{op}: layers holds name parts that match no layer it measures: "
-                    f"{unmatched} (the layers it measures: "
-                    f"{self._measurable(model, default)[:8]})"
-                )
+            measurable.append(name)
+            hits = [p for p in parts or () if p in name]
+            matched.update(hits)
+            if parts is None or hits:
+                linear = weights == ("weight",) and getattr(m, weights[0]).dim() == 2
+                self._layers.append(_Layer(name, m, rcp, weights, linear))
+        unmatched = [p for p in parts or () if p not in matched]
+        if unmatched:
+            raise ValueError(
+                f"{op}: layers holds name parts that match no layer it measures: {unmatched} "
+                f"(the layers it measures: {measurable[:8]})"
+            )
         self._handles: list = []
-
-    @staticmethod
-    def _measurable(model: nn.Module, default) -> List[str]:
-        return [
-            n
-            for n, m in model.named_modules()
-            if is_zrw_layer(m) or (default is not None and type(m) is nn.Linear)
-        ]
 
     # ---- installing ----------------------------------------------------------------------
     def start(self) -> "NumericsTelemetry":
@@ -383,56 +339,34 @@ class NumericsTelemetry:
             layer.weight_step = None
 
     # ---- measuring -----------------------------------------------------------------------
-    def _modes(self, layer: _Layer) -> Tuple[str, ...]:
-        return self.scale_modes or (layer.recipe.scale_mode,)
-
-    def _add(self, layer: _Layer, tensor: str, mode: str, stats: QuantStats) -> None:
-        key = (tensor, mode)
-        if key in layer.stats:
-            layer.stats[key].add(stats)
-        else:
-            layer.stats[key] = stats
+    def _measure(self, layer: _Layer, tensor: str, x: Tensor, dim: int, block=False) -> None:
+        for mode in self.scale_modes or (layer.recipe.scale_mode,):
+            stats = quant_stats(x, dim, layer.recipe.elem_dtype, mode, block_32x32=block)
+            layer.stats.setdefault((tensor, mode), QuantStats()).add(stats)
 
     @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
     @torch.no_grad()
     def _pre_forward(self, layer: _Layer, args) -> None:
-        rcp = layer.recipe
         step = cache.cache_stats()["step"]
         if layer.weight_step != step and ({"weight", "weight_bwd"} & set(self.tensors)):
             layer.weight_step = step
+            block = layer.recipe.block_32x32
             for pname in layer.weights:
                 w = _weight_value(getattr(layer.module, pname))
-                if w is None:
-                    continue
-                for mode in self._modes(layer):
-                    if "weight" in self.tensors:
-                        self._add(
-                            layer,
-                            "weight",
-                            mode,
-                            quant_stats(w, -1, rcp.elem_dtype, mode, block_32x32=rcp.block_32x32),
-                        )
-                    if "weight_bwd" in self.tensors and not rcp.block_32x32:
-                        self._add(
-                            layer, "weight_bwd", mode, quant_stats(w, -2, rcp.elem_dtype, mode)
-                        )
+                if w is not None and "weight" in self.tensors:
+                    self._measure(layer, "weight", w, -1, block)
+                if w is not None and "weight_bwd" in self.tensors and not block:
+                    self._measure(layer, "weight_bwd", w, -2)
         if layer.linear and "activation" in self.tensors and args and isinstance(args[0], Tensor):
-            for mode in self._modes(layer):
-                self._add(layer, "activation", mode, quant_stats(args[0], -1, rcp.elem_dtype, mode))
+            self._measure(layer, "activation", args[0], -1)
 
     @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
     def _post_forward(self, layer: _Layer, out) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
 
-            def on_grad(dy: Tensor, layer=layer) -> None:
-                with torch.no_grad():
-                    for mode in self._modes(layer):
-                        self._add(
-                            layer,
-                            "gradient",
-                            mode,
-                            quant_stats(dy, -1, layer.recipe.elem_dtype, mode),
-                        )
+            @torch.no_grad()
+            def on_grad(dy: Tensor) -> None:
+                self._measure(layer, "gradient", dy, -1)
 
             out.register_hook(on_grad)
 
@@ -446,21 +380,12 @@ class NumericsTelemetry:
     def records(self) -> List[dict]:
         """One dict per (layer, tensor, scale mode): layer, tensor, recipe, scale_mode, sqnr_db,
         saturated, flushed (fractions), elements, nonzero, calls."""
-        out = []
-        for layer in self._layers:
-            for tensor in TENSORS:
-                for (t, mode), s in layer.stats.items():
-                    if t == tensor:
-                        out.append(
-                            {
-                                "layer": layer.name,
-                                "tensor": t,
-                                "recipe": layer.recipe.name,
-                                "scale_mode": mode,
-                                **s.as_dict(),
-                            }
-                        )
-        return out
+        return [
+            {"layer": layer.name, "tensor": t, "recipe": layer.recipe.name, "scale_mode": mode}
+            | s.as_dict()
+            for layer in self._layers
+            for (t, mode), s in sorted(layer.stats.items(), key=lambda i: TENSORS.index(i[0][0]))
+        ]
 
     def summary(self) -> List[dict]:
         """records() pooled over layers: one dict per (recipe, tensor, scale mode) with the
@@ -474,21 +399,12 @@ class NumericsTelemetry:
                 pooled.setdefault(key, QuantStats()).add(s)
                 if key not in worst or s.sqnr_db < worst[key][0]:
                     worst[key] = (s.sqnr_db, layer.name)
-        out = []
-        for tensor in TENSORS:
-            for (rname, t, mode), s in pooled.items():
-                if t == tensor:
-                    out.append(
-                        {
-                            "recipe": rname,
-                            "tensor": t,
-                            "scale_mode": mode,
-                            **s.as_dict(),
-                            "min_sqnr_db": worst[(rname, t, mode)][0],
-                            "min_sqnr_layer": worst[(rname, t, mode)][1],
-                        }
-                    )
-        return out
+        return [
+            {"recipe": key[0], "tensor": key[1], "scale_mode": key[2]}
+            | s.as_dict()
+            | {"min_sqnr_db": worst[key][0], "min_sqnr_layer": worst[key][1]}
+            for key, s in sorted(pooled.items(), key=lambda i: TENSORS.index(i[0][1]))
+        ]
 
     def table(self, pooled: bool = False) -> str:
         """A readable table of records() (or of summary() with pooled=True)."""
@@ -496,20 +412,12 @@ class NumericsTelemetry:
             raise TypeError(
                 f"NumericsTelemetry.table: pooled must be a bool, got {type(pooled).__name__}"
             )
-        rows = self.summary() if pooled else self.records()
         first = "recipe" if pooled else "layer"
         header = [first, "tensor", "scale", "SQNR dB", "saturated", "flushed", "elements"]
         cells = [header] + [
-            [
-                str(r[first]),
-                r["tensor"],
-                r["scale_mode"],
-                f"{r['sqnr_db']:.2f}",
-                f"{r['saturated']:.2e}",
-                f"{r['flushed']:.2e}",
-                str(r["elements"]),
-            ]
-            for r in rows
+            [str(r[first]), r["tensor"], r["scale_mode"], f"{r['sqnr_db']:.2f}"]
+            + [f"{r['saturated']:.2e}", f"{r['flushed']:.2e}", str(r["elements"])]
+            for r in (self.summary() if pooled else self.records())
         ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
         lines = [
