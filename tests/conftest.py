@@ -6,6 +6,12 @@ reproduction blob of a failing example, so a failure seen once can be replayed.
 
 ``clean_cache``: the one fixture for a test that needs zrw's weight cache empty. A module asks for
 it explicitly, ``pytestmark = pytest.mark.usefixtures("clean_cache")``, or a test names it.
+
+``nothing_changes``: for a test of a refused call. ``with nothing_changes(*roots, dirs=()):``
+snapshots the weight-record registry, the native state of every recorded weight, the cache's
+stats and entries, torch's global hooks, the bytes of every weight that is not released and of
+its masters, and the given modules, optimizers, tensors and directories; it fails the test if
+the block changed any of it (tests/helpers/refusal.py). Put ``pytest.raises`` inside the block.
 """
 
 import gc
@@ -35,3 +41,12 @@ def clean_cache():
     finally:
         gc.enable()
         cache.cache_clear()
+
+
+@pytest.fixture
+def nothing_changes():
+    """A context manager that fails the test if its block changed zrw's or the roots' state
+    (see the module docstring; the same as helpers.refusal.unchanged)."""
+    from helpers.refusal import unchanged
+
+    return unchanged
