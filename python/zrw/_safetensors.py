@@ -19,7 +19,6 @@ from torch import Tensor
 from . import cache
 from ._dtensor import is_dtensor, local_tensor
 from .frozen import frozen_mode
-from .planes import unwrap_model
 from .state_dict import deferred, frozen_error, frozen_value, materialize
 
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
@@ -39,14 +38,6 @@ DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 MX_DTYPES = {**DTYPES, torch.float8_e8m0fnu: "F8_E8M0"}  # with the MX export's scales
-
-
-def checked_model(op: str, model) -> torch.nn.Module:
-    """`model` checked, and unwrapped where it is a `torch.compile` wrapper (the names saved,
-    exported or loaded are the model's own, without `_orig_mod.`)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    return unwrap_model(model)
 
 
 def state_plan(model: torch.nn.Module) -> Dict[str, Tensor]:

@@ -27,12 +27,13 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._safetensors import DTYPES, checked_entry, checked_model, checked_path, state_plan, write_file
+from ._safetensors import DTYPES, checked_entry, checked_path, state_plan, write_file
 from ._safetensors import saved_value as _value  # (the name tests replace to fail a save)
 
 # zrw.frozen, zrw.state_dict and zrw.mx_export (lower levels) hold these; this is their public home.
 from .frozen import FROZEN_MODES, frozen_mode, frozen_values  # noqa: F401
 from .mx_export import export_mx, iter_mx_state_dict, load_mx, save_mx_pretrained  # noqa: F401
+from .planes import checked_model
 from .state_dict import (  # noqa: F401
     deferred,
     deferring,

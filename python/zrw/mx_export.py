@@ -24,7 +24,6 @@ from ._dtensor import is_dtensor, local_tensor
 from ._safetensors import (
     MX_DTYPES,
     checked_entry,
-    checked_model,
     checked_path,
     fspath,
     saved_value,
@@ -32,7 +31,7 @@ from ._safetensors import (
     temporary_name,
     write_file,
 )
-from .planes import MXPlanesCarrier, is_zrw_layer
+from .planes import MXPlanesCarrier, checked_model, is_zrw_layer
 from .record import find_record
 
 _SCALE_DTYPE = torch.float8_e8m0fnu

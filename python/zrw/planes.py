@@ -1,25 +1,19 @@
-"""Low-level types for a weight held as MX planes, and the zrw layer protocol (no imports from
-the rest of zrw).
+"""Low-level types for a weight held as MX planes, the zrw layer protocol, and the model
+argument every public function that takes a model shares (no imports from the rest of zrw).
 
 `MXPlane` is one GEMM direction's operand, `MXWeight` a weight's cached MXFP8 copy (both
 directions). `MXPlanesCarrier` marks a tensor that carries its weight as MX planes instead of
-data (FSDP2's gathered weight, zrw.fsdp.MXGatheredWeight): the layers ask it for its planes
-through `mx_weight(need)` and never look at its data. zrw.nn and zrw.fsdp both import this
-module; neither imports the other.
-
-A zrw layer is any module that declares what it quantizes (`zrw_quantized`, the names of its
-parameters) and how (`recipe`): `is_zrw_layer`. zrw.fsdp, zrw.parallel and zrw.convert read
-that protocol, never a layer class.
-
-`unwrap_model` gives the model a `torch.compile` wrapper stands for: every public zrw function
-that takes a model calls it first, so that a compiled model is converted, prepared, saved,
-exported, loaded and measured as the model itself (its names, hooks and parameters).
+data (FSDP2's gathered weight): the layers ask it for its planes through `mx_weight(need)`.
+zrw.nn and zrw.fsdp both import this module; neither imports the other. A zrw layer is any
+module that declares what it quantizes (`zrw_quantized`, the names of its parameters) and how
+(`recipe`): `is_zrw_layer`; zrw.fsdp, zrw.parallel and zrw.convert read that protocol, never a
+layer class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -90,11 +84,45 @@ def is_zrw_layer(module) -> bool:
 
 def unwrap_model(model):
     """The module a `torch.compile(model)` wrapper stands for (its `_orig_mod`, through any
-    number of wrappers), or `model` itself. The wrapper shares the model's parameters and
-    modules, but its names carry the prefix `_orig_mod.` and hooks installed on it are not the
-    model's own: zrw works on the model and leaves the wrapper as it is."""
+    number of wrappers), or `model` itself. Every public zrw function that takes a model works
+    on the model itself, so that a compiled one is converted, prepared, saved, exported, loaded
+    and measured with the model's names and hooks; the wrapper is left as it is."""
     while isinstance(model, OptimizedModule) and isinstance(
         getattr(model, "_orig_mod", None), torch.nn.Module
     ):
         model = model._orig_mod
     return model
+
+
+def checked_model(op: str, model) -> torch.nn.Module:
+    """`model`, refused by name unless an nn.Module, unwrapped (`unwrap_model`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return unwrap_model(model)
+
+
+def name_list(
+    op: str, arg: str, value, what: str, empty: str = "", none_ok: bool = False
+) -> Tuple[str, ...]:
+    """`value` as a tuple of str: one str is ONE name (never its characters), else an iterable
+    of str ({what}); with `empty` (why, after "which every "), names are name parts and an
+    empty one is refused.
+    Anything else is the error that names `arg` (and says None is allowed where `none_ok`)."""
+    if isinstance(value, str):
+        value = (value,)
+    elif isinstance(value, (bytes, bytearray, dict)) or not isinstance(value, Iterable):
+        none = "None, " if none_ok else ""
+        raise TypeError(
+            f"{op}: {arg} must be {none}a str or an iterable of str ({what}), "
+            f"got {type(value).__name__}"
+        )
+    out = tuple(value)
+    for i, v in enumerate(out):
+        if not isinstance(v, str):
+            kind = "name parts" if empty else "names"
+            raise TypeError(
+                f"{op}: {arg} must hold str {kind}, got {arg}[{i}] = {v!r} ({type(v).__name__})"
+            )
+        if empty and not v:
+            raise ValueError(f"{op}: {arg}[{i}] is the empty string, which every {empty}")
+    return out

@@ -1,23 +1,14 @@
-"""The MindSpeed FSDP RFC's interface, name for name ("为 FSDP 添加 MXFP8-32x32 量化支持").
-
-Code written against the RFC imports its names from here and runs on zrw; docs/rfc.md maps every
-interface the RFC names to zrw's own. The recipe registry (ScalingGranularity,
-ScalingGranularityEnum, QuantRecipe, recipe_register, get_recipe and the two registration
-functions) is zrw.config's and is re-exported as is; PreQuantWeight (the FSDP2 all-gather
-extension) is zrw.fsdp's, MXLinear zrw.nn's. New here:
-
-* `QuantizeConfig`: the recipe (by name) and whether FSDP2 all-gathers the weights in MXFP8,
-  applied to a model by `convert_model(model, config)` (the RFC's "model converter").
-* `process_quant_result_fn(weight, dst_type, config)`: quantizes a weight the way the config's
-  recipe does and returns `(weight_fwd, scale_fwd, weight_bwd, scale_bwd)`.
-* `MXFP8GMM`: the RFC's name of the grouped-experts layer, zrw.nn.MXGroupedLinear itself.
+"""The MindSpeed FSDP RFC's interface, name for name ("为 FSDP 添加 MXFP8-32x32 量化支持"):
+code written against the RFC imports its names from here and runs on zrw (docs/rfc.md maps
+each to zrw's own). The recipe registry is zrw.config's, PreQuantWeight zrw.fsdp's, MXLinear
+zrw.nn's and MXFP8GMM is zrw.nn.MXGroupedLinear; new here are QuantizeConfig, convert_model
+(the RFC's "model converter") and process_quant_result_fn.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +26,7 @@ from .config import (
 )
 from .fsdp import PreQuantWeight
 from .nn import ConvertSummary, MXGroupedLinear, MXLinear, convert
-from .planes import unwrap_model
+from .planes import checked_model, name_list
 
 __all__ = [
     "MXFP8GMM",
@@ -53,56 +44,26 @@ __all__ = [
     "register_mxfp8_recipe",
 ]
 
-# The RFC's grouped matmul layer for MoE experts: zrw's grouped linear over an (E, N, K) stack,
-# forward(x, counts) with x grouped by expert. (Hugging Face's fused experts modules are
-# replaced by zrw.nn.MXFusedExperts, which runs this layer's numerics; zrw.convert does that.)
+# The RFC's grouped matmul for MoE experts (Hugging Face's fused experts modules become
+# zrw.nn.MXFusedExperts, which runs its numerics).
 MXFP8GMM = MXGroupedLinear
 
 _DST_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _skip_parts(skip) -> Tuple[str, ...]:
-    """QuantizeConfig.skip as a tuple of name parts: one str is ONE name part (as zrw.convert
-    takes it), an iterable must hold non-empty str; anything else names the field."""
-    if isinstance(skip, str):
-        skip = (skip,)
-    elif isinstance(skip, (bytes, bytearray, dict)) or not isinstance(skip, Iterable):
-        raise TypeError(
-            "QuantizeConfig: skip must be None, a str or an iterable of str (name parts of the "
-            f"modules kept in high precision), found {type(skip).__name__} ({skip!r})"
-        )
-    parts = tuple(skip)
-    for i, part in enumerate(parts):
-        if not isinstance(part, str):
-            raise TypeError(
-                f"QuantizeConfig: skip must hold str name parts, found skip[{i}] = {part!r} "
-                f"({type(part).__name__})"
-            )
-        if not part:
-            raise ValueError(
-                f"QuantizeConfig: skip[{i}] is the empty string, which every module name "
-                "contains: it would skip every module"
-            )
-    return parts
-
-
 @dataclass
 class QuantizeConfig:
-    """What the model converter applies (`convert_model`).
+    """What the model converter applies (`convert_model`); a bad field raises here.
 
     recipe_name: a registered recipe, "mxfp8" ([1, 1, 32]) or "mxfp8-32x32" ([1, 32, 32]).
     scale_mode: None keeps the recipe's scale rule; "floor" or "rceil" overrides it.
-    enable_fsdp_low_precision_all_gather: FSDP2 all-gathers the weights as MXFP8 (zrw.fsdp.prepare
-        wraps them in PreQuantWeight; call convert_model before fully_shard). False: FSDP2
-        gathers the param-dtype weights and each layer quantizes them after the gather.
-    all_gather_both_planes: mxfp8 only: every gather carries both planes (forward and backward
-        copies), as the RFC's original MXFP8 scheme does; needed with
-        reshard_after_forward=False or activation recompute. By default each gather carries the
-        plane its phase needs.
+    enable_fsdp_low_precision_all_gather: FSDP2 all-gathers the weights as MXFP8 (zrw.fsdp.prepare;
+        call convert_model before fully_shard). False: each layer quantizes after the gather.
+    all_gather_both_planes: mxfp8 only: every gather carries both planes, as the RFC's original
+        scheme does (needed with reshard_after_forward=False or activation recompute); by
+        default each gather carries the plane its phase needs.
     release: zero-redundancy weights (release the BF16 weight while its FP8 copy serves).
-    skip: name parts of modules kept in high precision (None: zrw.convert's default,
-        lm_head and embeddings).
-    Unknown recipes and scale rules raise ValueError here.
+    skip: name parts of modules kept in high precision (None: zrw.convert's default).
     """
 
     recipe_name: str = "mxfp8"
@@ -129,15 +90,14 @@ class QuantizeConfig:
                     f"QuantizeConfig: {name} must be a bool, found {getattr(self, name)!r}"
                 )
         if self.skip is not None:
-            self.skip = _skip_parts(self.skip)
+            what = "name parts of the modules kept in high precision"
+            why = "module name contains: it would skip every module"
+            self.skip = name_list("QuantizeConfig", "skip", self.skip, what, why, none_ok=True)
 
     @property
     def recipe(self) -> QuantRecipe:
         """The QuantRecipe this config quantizes with."""
-        rcp = get_recipe(self.recipe_name)
-        if self.scale_mode is not None and self.scale_mode != rcp.scale_mode:
-            rcp = dataclasses.replace(rcp, scale_mode=self.scale_mode)
-        return rcp
+        return get_recipe(self.recipe_name, scale_mode=self.scale_mode)
 
 
 def convert_model(model: nn.Module, config: QuantizeConfig) -> ConvertSummary:
@@ -149,11 +109,7 @@ def convert_model(model: nn.Module, config: QuantizeConfig) -> ConvertSummary:
             f"zrw.rfc.convert_model: config must be a zrw.rfc.QuantizeConfig, got "
             f"{type(config).__name__}"
         )
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"zrw.rfc.convert_model: model must be a torch.nn.Module, got {type(model).__name__}"
-        )
-    model = unwrap_model(model)  # torch.compile(model): the model it wraps
+    model = checked_model("zrw.rfc.convert_model", model)
     summary = convert(model, config.recipe, release=config.release, skip=config.skip)
     if config.enable_fsdp_low_precision_all_gather:
         fsdp.prepare(model, both_planes=config.all_gather_both_planes)
@@ -180,18 +136,11 @@ def process_quant_result_fn(
     """Quantize `weight` as `config`'s recipe does: (weight_fwd, scale_fwd, weight_bwd, scale_bwd).
 
     weight: (N, K) or (E, N, K), bf16, fp16 or fp32. dst_type: torch.float8_e4m3fn or
-    torch.float8_e5m2 (the element format; it takes precedence over the recipe's). The scale
-    rule is the recipe's (QuantizeConfig.scale_mode overrides it).
-
-    * mxfp8 ([1, 1, 32]): two copies from one read (zrw.ops.mx_quantize_dual): weight_fwd blocked
-      along K with scale_fwd (.., N, ceil(K/32)); weight_bwd blocked along N with scale_bwd
-      (.., ceil(N/32), K).
-    * mxfp8-32x32 ([1, 32, 32]): one copy in 32x32 tiles (zrw.ops.mx_quantize_block);
-      `weight_bwd is weight_fwd` (the same tensor) and only the scale's view differs: scale_fwd
-      (.., N, ceil(K/32)) and scale_bwd (.., ceil(N/32), K) are the tile scale expanded.
-
-    Scales are torch.float8_e8m0fnu. A recipe zrw does not know raises ValueError (from
-    get_recipe); a dst_type that is not an fp8 element format raises ValueError.
+    torch.float8_e5m2 (it takes precedence over the recipe's element format); the scale rule is
+    the recipe's. mxfp8: zrw.ops.mx_quantize_dual, weight_fwd blocked along K, weight_bwd along
+    N. mxfp8-32x32: zrw.ops.mx_quantize_block, `weight_bwd is weight_fwd` and the scales are the
+    tile scale expanded along K, (.., N, ceil(K/32)), and along N, (.., ceil(N/32), K). Scales
+    are torch.float8_e8m0fnu.
     """
     if not isinstance(weight, Tensor):
         raise TypeError(

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from . import cache, ops
 from .config import QuantRecipe, get_recipe
-from .planes import MXPlanesCarrier, is_zrw_layer, unwrap_model
+from .planes import MXPlanesCarrier, checked_model, is_zrw_layer, name_list
 from .reference import BLOCK, ELEM_MAX
 
 __all__ = ["QuantStats", "NumericsTelemetry", "collect", "quant_stats", "TENSORS"]
@@ -214,30 +214,11 @@ def _weight_value(w: Tensor) -> Optional[Tensor]:
     return None if master is None else master.detach().to(local.dtype)
 
 
-def _names(op: str, arg: str, value, allowed: Optional[tuple] = None) -> Tuple[str, ...]:
-    """`value` as a tuple of str: one str is ONE name (never its characters), else an iterable
-    of str, with `allowed`: at least one, each in it; without: layer name parts, none empty.
-    Anything else is the error that names the argument."""
-    what = f"among {allowed}" if allowed else "name parts of the layers to measure"
-    if isinstance(value, str):
-        value = (value,)
-    elif isinstance(value, (bytes, bytearray, dict)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{op}: {arg} must be a str or an iterable of str ({what}), got {type(value).__name__}"
-        )
-    out = tuple(value)
-    for i, v in enumerate(out):
-        if not isinstance(v, str):
-            raise TypeError(
-                f"{op}: {arg} must hold str ({what}), got {arg}[{i}] = {v!r} ({type(v).__name__})"
-            )
-    if allowed and (not out or any(v not in allowed for v in out)):
+def _names(op: str, arg: str, value, allowed: tuple) -> Tuple[str, ...]:
+    """name_list of `value`, at least one name, each in `allowed`."""
+    out = name_list(op, arg, value, f"among {allowed}")
+    if not out or any(v not in allowed for v in out):
         raise ValueError(f"{op}: {arg} must name at least one of {allowed}, got {out!r}")
-    if not allowed and "" in out:
-        raise ValueError(
-            f"{op}: {arg}[{out.index('')}] is the empty string, which every layer name "
-            f"contains; pass {arg}=None to measure every layer"
-        )
     return out
 
 
@@ -262,9 +243,7 @@ class NumericsTelemetry:
         scale_modes: Union[str, Sequence[str], None] = None,
     ):
         op = "zrw.telemetry.NumericsTelemetry"
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-        model = unwrap_model(model)
+        model = checked_model(op, model)
         self.tensors = _names(op, "tensors", tensors, TENSORS)
         if scale_modes is not None:
             scale_modes = _names(op, "scale_modes", scale_modes, ops.SCALE_MODES)
@@ -278,7 +257,9 @@ class NumericsTelemetry:
             default = None if recipe is None else get_recipe(recipe)
         except ValueError as e:
             raise ValueError(f"{op}: recipe: {e}") from None
-        parts = None if layers is None else _names(op, "layers", layers)
+        if layers is not None:
+            why = "layer name contains; pass layers=None to measure every layer"
+            layers = name_list(op, "layers", layers, "name parts of the layers to measure", why)
         self._layers: List[_Layer] = []
         measurable, matched = [], set()
         for name, m in model.named_modules():
@@ -289,12 +270,12 @@ class NumericsTelemetry:
             else:
                 continue
             measurable.append(name)
-            hits = [p for p in parts or () if p in name]
+            hits = [p for p in layers or () if p in name]
             matched.update(hits)
-            if parts is None or hits:
+            if layers is None or hits:
                 linear = weights == ("weight",) and getattr(m, weights[0]).dim() == 2
                 self._layers.append(_Layer(name, m, rcp, weights, linear))
-        unmatched = [p for p in parts or () if p not in matched]
+        unmatched = [p for p in layers or () if p not in matched]
         if unmatched:
             raise ValueError(
                 f"{op}: layers holds name parts that match no layer it measures: {unmatched} "

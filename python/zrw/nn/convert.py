@@ -12,10 +12,7 @@ from torch import nn
 from .. import cache, lifecycle
 from .._dtensor import local_tensor
 from ..config import QuantRecipe, get_recipe, known_recipes
-from ..planes import (
-    is_zrw_layer,  # noqa: F401  (zrw.nn.convert.is_zrw_layer, as before)
-    unwrap_model,
-)
+from ..planes import checked_model, is_zrw_layer, name_list  # noqa: F401  (is_zrw_layer: as before)
 from ..record import find_record, module_record
 from .grouped import MXFusedExperts, is_fused_experts
 from .linear import MXLinear
@@ -46,14 +43,14 @@ class ConvertSummary:
         return "\n".join(lines)
 
 
-def _tied_weights(model: nn.Module) -> Dict[int, List[str]]:
-    """Parameters held by more than one module (by identity), with the modules' names."""
+def _owners(model: nn.Module) -> Dict[int, List[str]]:
+    """id of each parameter -> the qualified names it is held under (by every module)."""
     owners: Dict[int, List[str]] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
         for pname, p in mod._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
-    return {k: v for k, v in owners.items() if len(set(v)) > 1}
+    return owners
 
 
 def _releasable(p: torch.Tensor) -> bool:
@@ -89,32 +86,24 @@ def convert(
     release_frozen: bool = False,
     main_grad: bool = False,
 ) -> ConvertSummary:
-    """Replace, in place, every nn.Linear and every fused-experts module (Hugging Face's
-    3-D gate_up_proj / down_proj layout) whose qualified name contains none of `skip`
-    (default: lm_head and embeddings stay in high precision). `skip` is an iterable of name
-    parts (a module is kept when any of them is a substring of its qualified name); a single
-    str is taken as ONE name part (`skip="lm_head"` is `skip=["lm_head"]`), never character by
-    character. An empty name part (it would match every module) is refused.
+    """Replace, in place, every nn.Linear and every fused-experts module (Hugging Face's 3-D
+    gate_up_proj / down_proj layout) whose qualified name contains none of `skip` (name parts;
+    default: lm_head and embeddings stay in high precision; a str is ONE name part, never its
+    characters; an empty one is refused). Returns a ConvertSummary.
 
     The parameters are kept (the same objects: optimizers that hold them still work, and the
-    state_dict keys do not change). A weight shared by several modules (tied weights, found by
-    identity) is converted with release=False and never released. `main_grad=True`
-    accumulates the weight gradients of the converted linears and expert stacks in FP32
-    `main_grad` (Megatron-style) instead of `.grad`. Returns a ConvertSummary.
+    state_dict keys do not change). A weight shared by several modules (tied, by identity) is
+    converted with release=False and never released. `main_grad=True` accumulates the weight
+    gradients in FP32 `main_grad` (Megatron-style) instead of `.grad`. Convert before
+    transformers' tp_plan / ep_plan is applied (a module it already wraps is refused); with
+    PyTorch's parallelize_module either order works. A sharded weight's `release_bytes` are its
+    local shard's.
 
-    Tensor / expert parallelism (zrw.parallel): convert before transformers' tp_plan / ep_plan
-    is applied (a module it already wraps is refused); with PyTorch's parallelize_module either
-    order works. A sharded weight's `release_bytes` are its local shard's.
-
-    Every argument is checked before the model is touched: a wrong type raises TypeError, a bad
-    value ValueError, each naming the argument, what was expected and what was found. A
-    `torch.compile(model)` wrapper is converted as the model it wraps (`_orig_mod`): the same
-    names and hooks as `convert(model)`.
+    Every argument is checked before the model is touched, each error naming it. A
+    `torch.compile(model)` wrapper is converted as the model it wraps (`_orig_mod`).
     """
     op = "zrw.convert"
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    model = unwrap_model(model)  # torch.compile(model): the model itself (its names, its hooks)
+    model = checked_model(op, model)  # torch.compile(model): the model itself
     if not isinstance(recipe, (str, QuantRecipe)):
         raise TypeError(
             f"{op}: recipe must be a zrw.QuantRecipe or a registered recipe name "
@@ -124,36 +113,16 @@ def convert(
         raise ValueError(
             f"{op}: recipe must be a zrw.QuantRecipe or one of {known_recipes()}, got {recipe!r}"
         )
-    for arg, value in (
-        ("release", release),
-        ("release_frozen", release_frozen),
-        ("main_grad", main_grad),
-    ):
+    flags = {"release": release, "release_frozen": release_frozen, "main_grad": main_grad}
+    for arg, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{op}: {arg} must be a bool, got {type(value).__name__} ({value!r})")
-    if skip is None:
-        skip = DEFAULT_SKIP
-    elif isinstance(skip, str):
-        skip = (skip,)  # one name part, not its characters
-    elif isinstance(skip, (bytes, bytearray)) or not isinstance(skip, Iterable):
-        raise TypeError(
-            f"{op}: skip must be a str or an iterable of str (name parts of the "
-            f"modules to keep in high precision), got {type(skip).__name__}"
-        )
-    skip = tuple(skip)
-    for i, s in enumerate(skip):
-        if not isinstance(s, str):
-            raise TypeError(
-                f"{op}: skip must hold str name parts, got skip[{i}] = {s!r} ({type(s).__name__})"
-            )
-        if not s:
-            raise ValueError(
-                f"{op}: skip[{i}] is the empty string, which every module name "
-                "contains: it would skip every module"
-            )
+    skip = DEFAULT_SKIP if skip is None else tuple(skip) if isinstance(skip, dict) else skip
+    what = "name parts of the modules to keep in high precision"
+    skip = name_list(op, "skip", skip, what, "module name contains: it would skip every module")
     rcp = get_recipe(recipe)
     summary = ConvertSummary(recipe=rcp.name)
-    tied = _tied_weights(model)
+    tied = {k: v for k, v in _owners(model).items() if len(set(v)) > 1}  # tied weights
 
     unconverted_experts: List[str] = []
 
@@ -277,21 +246,13 @@ def hold_tied_weights(model: nn.Module) -> List[str]:
     Returns the names of the tied weights. The converted model runs this at the first forward
     of every optimizer step, and at every state_dict() and load_state_dict(); call it yourself
     after tying weights if the next thing you do is `model.apply(fn)` or a cast."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            "zrw.nn.convert.hold_tied_weights: model must be a torch.nn.Module, got "
-            f"{type(model).__name__}"
-        )
-    model = unwrap_model(model)
-    owners: Dict[int, List[str]] = {}
+    model = checked_model("zrw.nn.convert.hold_tied_weights", model)
+    owners = _owners(model)
     quantized: Dict[int, torch.Tensor] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
-            if p is None:
-                continue
-            owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
-            if pname in getattr(mod, "zrw_quantized", ()):
-                quantized[id(p)] = p
+    for mod in model.modules():
+        for pname in getattr(mod, "zrw_quantized", ()):
+            if mod._parameters.get(pname) is not None:
+                quantized[id(mod._parameters[pname])] = mod._parameters[pname]
     tied = []
     for key, p in quantized.items():
         names = sorted(set(owners[key]))
