@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -66,22 +67,12 @@ class DemoConfig:
     progress: bool = True
 
 
-# Import-time chatter of third-party packages that transformers pulls in: torchao (when
-# installed) logs a warning for each CUDA-only library it cannot load on a CPU machine, and
-# torch's pytree logs a deprecation for each Enum torchao registers. Neither concerns the demo.
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def _quiet_third_party_imports() -> None:
-    import logging
-
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def build_model(kind: str, c: DemoConfig) -> torch.nn.Module:
     """A tiny Qwen3 / Qwen3-MoE from a config (seeded random init, bf16)."""
-    _quiet_third_party_imports()
+    # Import-time chatter of what transformers pulls in (torchao's CUDA-only libraries on a
+    # CPU machine, torch's pytree deprecations for torchao's Enums) does not concern the demo.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(c.seed)
@@ -159,12 +150,9 @@ def run_mode(
             if any(n.startswith(m + ".") for m in summary.converted)
         )
     model.train()
+    keep = mode != "zrw-restore"
     opt = MasterWeights(
-        torch.optim.AdamW,
-        model.parameters(),
-        lr=c.lr,
-        weight_decay=0.0,
-        keep_released=(mode != "zrw-restore"),
+        torch.optim.AdamW, model.parameters(), lr=c.lr, weight_decay=0.0, keep_released=keep
     )
 
     marks: Dict[str, int] = {}
@@ -181,8 +169,7 @@ def run_mode(
     def window_end(o, args, kwargs):
         marks["window_peak"] = memory.peak()
         mark("optimizer pre-hook")
-        stats = cache.cache_stats()
-        marks["released"] = stats["released_bytes"]
+        marks["released"] = cache.cache_stats()["released_bytes"]
 
     opt.register_step_pre_hook(window_end)
     attach(opt)  # bf16 mode: nothing is cached, the hooks are no-ops
@@ -303,31 +290,15 @@ def print_report(s: dict) -> None:
     print(
         f"\n{s['model']} ({s['recipe']}, {s['steps']} steps x {s['micro_batches']} micro-batches)"
     )
-    header = [
-        "mode",
-        "final loss",
-        "vs BF16",
-        "fwd/bwd peak",
-        "optimizer peak",
-        "global peak",
-        "global saving",
-        "s/step",
-    ]
+    header = ["mode", "final loss", "vs BF16", "fwd/bwd peak", "optimizer peak"]
+    header += ["global peak", "global saving", "s/step"]
     rows = []
     for m in MODES:
         gsave = s["global_peak_saving_bytes"].get(m)
-        rows.append(
-            [
-                MODE_LABELS[m],
-                f"{s['final_loss'][m]:.4f}",
-                f"{s['loss_diff_to_bf16'][m]:+.4f}",
-                _mib(s["window_peak_bytes"][m]),
-                _mib(s["optimizer_peak_bytes"][m]),
-                _mib(s["global_peak"][m]["bytes"]),
-                "–" if gsave is None else _mib(gsave),
-                f"{s['seconds_per_step'][m]:.2f}",
-            ]
-        )
+        row = [MODE_LABELS[m], f"{s['final_loss'][m]:.4f}", f"{s['loss_diff_to_bf16'][m]:+.4f}"]
+        row += [_mib(s[k][m]) for k in ("window_peak_bytes", "optimizer_peak_bytes")]
+        row += [_mib(s["global_peak"][m]["bytes"]), "–" if gsave is None else _mib(gsave)]
+        rows.append(row + [f"{s['seconds_per_step'][m]:.2f}"])
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  " + "  ".join("-" * w for w in widths))
@@ -373,22 +344,12 @@ def plot(summaries: List[dict], path) -> None:
 
     n = len(summaries)
     fig, axes = plt.subplots(3, n, figsize=(7.5 * n, 12), squeeze=False)
-    colors = {
-        "bf16": "tab:gray",
-        "cache": "tab:blue",
-        "zrw-restore": "tab:orange",
-        "zrw": "tab:red",
-    }
+    colors = dict(zip(MODES, ("tab:gray", "tab:blue", "tab:orange", "tab:red")))
     for j, s in enumerate(summaries):
         ax = axes[0][j]
         for m in MODES:
-            ax.plot(
-                s["losses"][m],
-                label=MODE_LABELS[m],
-                color=colors[m],
-                linestyle="--" if m == "zrw" else "-",
-                linewidth=1.2,
-            )
+            style = dict(color=colors[m], linestyle="--" if m == "zrw" else "-", linewidth=1.2)
+            ax.plot(s["losses"][m], label=MODE_LABELS[m], **style)
         ax.set_title(f"{s['model']} ({s['recipe']}): loss per micro-batch")
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("loss")
@@ -410,13 +371,8 @@ def plot(summaries: List[dict], path) -> None:
         for m in MODES:
             t = s["timeline"][m]
             if t:
-                ax.step(
-                    range(len(t)),
-                    [x[1] / 2**20 for x in t],
-                    where="post",
-                    label=MODE_LABELS[m],
-                    color=colors[m],
-                )
+                mib = [x[1] / 2**20 for x in t]
+                ax.step(range(len(t)), mib, where="post", label=MODE_LABELS[m], color=colors[m])
         xlabels(ax)
         ax.set_title(
             f"{s['model']}: live CPU memory through one step (zrw.memory)\n"
@@ -432,13 +388,8 @@ def plot(summaries: List[dict], path) -> None:
         total = s["theoretical_saving_2N_bytes"]
         bf16_resident = [(total - x[3]) / 2**20 for x in tl]
         fp8 = [x[2] / 2**20 for x in tl]
-        ax.step(
-            range(len(tl)),
-            bf16_resident,
-            where="post",
-            color="tab:green",
-            label="BF16 weights resident",
-        )
+        label = "BF16 weights resident"
+        ax.step(range(len(tl)), bf16_resident, where="post", color="tab:green", label=label)
         ax.step(range(len(tl)), fp8, where="post", color="tab:purple", label="FP8 cache")
         xlabels(ax)
         ax.set_title(
@@ -462,14 +413,10 @@ def run(c: DemoConfig) -> List[dict]:
         try:
             from tqdm import tqdm
 
-            progress = tqdm(
-                total=len(kinds) * len(MODES) * c.steps,
-                desc="zrw demo",
-                unit="step",
-                file=sys.stderr,
-            )
+            total = len(kinds) * len(MODES) * c.steps
+            progress = tqdm(total=total, desc="zrw demo", unit="step", file=sys.stderr)
         except ImportError:
-            progress = None
+            pass
     summaries = []
     for kind in kinds:
         runs = {m: run_mode(kind, m, c, batches, progress) for m in MODES}
@@ -527,18 +474,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         import matplotlib  # noqa: F401  (the plot: checked before the run, not after it)
     except ImportError as e:
         p.error(f"the plot (demo.png) needs matplotlib: pip install matplotlib ({e})")
-    c = DemoConfig(
-        model=a.model,
-        recipe=a.recipe,
-        steps=a.steps,
-        micro_batches=a.micro_batches,
-        batch=a.batch,
-        seq=a.seq,
-        hidden=a.hidden,
-        layers=a.layers,
-        out=a.out,
-        progress=not a.no_progress,
-    )
+    given = {k: v for k, v in vars(a).items() if k in DemoConfig.__dataclass_fields__}
+    c = DemoConfig(**given, progress=not a.no_progress)
     warnings.filterwarnings("ignore", category=UserWarning)
     summaries = run(c)
     png = os.path.join(c.out, "demo.png")
