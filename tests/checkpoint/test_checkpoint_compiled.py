@@ -17,28 +17,8 @@ safetensors = pytest.importorskip("safetensors.torch")
 from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
 
 import zrw  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw import checkpoint  # noqa: E402
-
-
-def tiny_qwen3(seed=0, **config):
-    """A 2-layer Qwen3 from a config (hidden 64, vocabulary 128, seeded random init, BF16);
-    `config` overrides Qwen3Config fields."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    cfg.update(config)
-    return Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16)
 
 
 def u8(t):
@@ -50,7 +30,7 @@ def trained():
     """A converted tiny Qwen3 after one BF16-free step (its weights released), and a compiled
     wrapper of it."""
     zrw.cache.cache_clear()
-    model = tiny_qwen3(seed=0)
+    model = make_model(seed=0, **HF_QWEN3)
     zrw.convert(model)
     opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -96,7 +76,7 @@ def test_export_mx_and_iter_mx_state_dict(trained, tmp_path):
 def test_load_mx_into_a_compiled_model(trained, tmp_path):
     model, _ = trained
     checkpoint.export_mx(model, tmp_path / "mx.safetensors")
-    fresh = torch.compile(tiny_qwen3(seed=5), backend="eager")
+    fresh = torch.compile(make_model(seed=5, **HF_QWEN3), backend="eager")
     assert checkpoint.load_mx(fresh, tmp_path / "mx.safetensors") is fresh
     weight = fresh._orig_mod.model.layers[0].mlp.up_proj.weight
     assert isinstance(weight, MXTensor)

@@ -14,34 +14,14 @@ pytest.importorskip("torchao")
 from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
 
 import zrw  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw.checkpoint import export_mx, load_mx  # noqa: E402
-
-
-def tiny_qwen3(seed=0, **config):
-    """A 2-layer Qwen3 from a config (hidden 64, vocabulary 128, seeded random init, BF16);
-    `config` overrides Qwen3Config fields."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    cfg.update(config)
-    return Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A converted tiny Qwen3 (vocabulary 128, 2 layers) exported as MX."""
-    model = tiny_qwen3(seed=0)
+    model = make_model(seed=0, **HF_QWEN3)
     zrw.convert(model)
     path = tmp_path_factory.mktemp("mx") / "model.safetensors"
     export_mx(model, path)
@@ -76,7 +56,7 @@ def assert_unchanged(model, before):
     ids=["other-vocabulary", "more-layers", "fewer-layers"],
 )
 def test_a_file_of_another_shape_changes_nothing(exported, config, names):
-    model = tiny_qwen3(seed=3, **config)
+    model = make_model(seed=3, **{**HF_QWEN3, **config})
     before = snapshot(model)
     with pytest.raises(ValueError, match="does not match model") as e:
         load_mx(model, exported)
@@ -86,9 +66,9 @@ def test_a_file_of_another_shape_changes_nothing(exported, config, names):
 
 
 def test_a_matching_file_still_loads(exported):
-    model = tiny_qwen3(seed=3)
+    model = make_model(seed=3, **HF_QWEN3)
     assert load_mx(model, exported) is model
     assert isinstance(model.model.layers[0].mlp.up_proj.weight, MXTensor)
-    compiled = torch.compile(tiny_qwen3(seed=4), backend="eager")
+    compiled = torch.compile(make_model(seed=4, **HF_QWEN3), backend="eager")
     assert load_mx(compiled, exported) is compiled  # a compiled model: its model is loaded
     assert isinstance(compiled._orig_mod.model.layers[0].mlp.up_proj.weight, MXTensor)

@@ -17,38 +17,13 @@ pytest.importorskip("torchao")
 
 
 import zrw  # noqa: E402
+from helpers.models import HF_QWEN3, make_model  # noqa: E402
 from zrw.checkpoint import export_mx, frozen_values, save_mx_pretrained, save_safetensors  # noqa: E402
-
-
-def tiny_qwen3(seed=0, **config):
-    """A 2-layer Qwen3 from a config (hidden 64, vocabulary 128, seeded random init, BF16);
-    `config` overrides Qwen3Config fields."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    cfg.update(config)
-    return Qwen3ForCausalLM(Qwen3Config(**cfg)).to(torch.bfloat16)
-
 
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    zrw.cache.cache_clear()
-    yield
-    zrw.cache.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 class WithState(nn.Module):
@@ -62,7 +37,7 @@ class WithState(nn.Module):
 
 
 def converted(**config):
-    model = tiny_qwen3(**config)
+    model = make_model(**{**HF_QWEN3, **config})
     zrw.convert(model)
     return model
 
@@ -90,7 +65,7 @@ def released_without_master():
 
 
 def frozen_released_for_good():
-    model = tiny_qwen3()
+    model = make_model(**HF_QWEN3)
     zrw.convert(model, release_frozen=True)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -102,7 +77,7 @@ def frozen_released_for_good():
 
 
 def compiled_without_converted_weights():
-    return torch.compile(tiny_qwen3(), backend="eager")
+    return torch.compile(make_model(**HF_QWEN3), backend="eager")
 
 
 # (what, a call given the target path) -> the error it raises

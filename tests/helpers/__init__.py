@@ -7,6 +7,7 @@ sys.path.insert.
   models          the one tiny Qwen3 / Qwen3-MoE factory (make_model) and their training
   mx_layer        a minimal MX linear on zrw.ops and parameter helpers (tests/cache, tests/optim)
   user_actions    the lifecycle tests' tiny model and the user actions applied to it
+  hf              Hugging Face Trainer runs: token data, the common arguments, the logs
   refusal         what a refused call must leave as it was (the fixture nothing_changes)
   quant           byte-for-byte comparison of MX quantizations, stable seeds, CPU kernel builds
   torchao_oracle  torchao's to_mx as an independent oracle (skips the importing module without it)

@@ -46,18 +46,19 @@ def make_model(
 ):
     """The tests' one tiny Qwen3 ("dense") / Qwen3-MoE ("moe") factory: by default 2 layers,
     hidden 64, 2 query heads and 1 KV head of 32, an MLP of 96, and for MoE 4 experts of 48 (top
-    2) in every layer. Same seed, same weights. `config` sets further fields of the transformers
-    config; `dtype=None` keeps the FP32 of the constructor (for callers that cast parts)."""
+    2) in every layer. Same seed, same weights. `config` sets (or overrides) fields of the
+    transformers config; `dtype=None` keeps the constructor's FP32 (for callers that cast
+    parts)."""
     torch.manual_seed(seed)
     cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn)
     cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     cfg.update(num_hidden_layers=layers, max_position_embeddings=64, tie_word_embeddings=tie)
     if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(**cfg, **config))
+        model = Qwen3ForCausalLM(Qwen3Config(**{**cfg, **config}))
     else:
         cfg.update(moe_intermediate_size=moe_ffn, num_experts=experts, num_experts_per_tok=2)
         cfg.update(decoder_sparse_step=1)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, **config))
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**cfg, **config}))
     if dtype is not None:
         model = model.to(dtype)
     return model.train()

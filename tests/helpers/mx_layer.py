@@ -8,6 +8,7 @@ layer calls quant_and_release OUTSIDE the Function: inside Function.forward grad
 the release guard would skip the release as "no_grad".
 """
 
+import pytest
 import torch
 
 from zrw import cache, ops
@@ -29,6 +30,14 @@ def param(*shape, seed=0, requires_grad=True):
     return torch.nn.Parameter(
         torch.randn(*shape, generator=g).to(BF16), requires_grad=requires_grad
     )
+
+
+def assert_step_refused(opt, w, match):
+    """`opt`, an optimizer without zrw's boundary, refuses to step the released weight `w` (given
+    a gradient here) with a RuntimeError matching `match`."""
+    w.grad = torch.ones_like(w)
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
 
 
 class MXLinearFn(torch.autograd.Function):

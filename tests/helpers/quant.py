@@ -1,6 +1,7 @@
 """Comparing MX quantizations byte for byte, stable seeds and ids, and the CPU kernel builds this
 machine runs (shared by tests/ops/test_quantize.py and test_quantize_from_master.py)."""
 
+import math
 import zlib
 
 import torch
@@ -23,6 +24,24 @@ def stable_seed(*parts):
 
 def dtype_id(dtype):
     return str(dtype).replace("torch.", "")
+
+
+class RowsOfBlocks:
+    """A tensor of `shape` blocked along `dim`, built as `rows` rows of `nblocks` blocks of 32
+    (the blocked axis last, padded to whole blocks) and moved into place by `place`."""
+
+    def __init__(self, shape, dim):
+        self.shape = tuple(shape)
+        self.dim = dim % len(self.shape)
+        self.length = self.shape[self.dim]
+        self.moved_shape = self.shape[: self.dim] + self.shape[self.dim + 1 :] + (self.length,)
+        self.rows = math.prod(self.moved_shape[:-1])
+        self.nblocks = -(-self.length // BLOCK)
+
+    def place(self, blocks):
+        """(rows, nblocks, 32) or (rows, nblocks * 32) values as a contiguous tensor of `shape`."""
+        x = blocks.reshape(self.rows, self.nblocks * BLOCK)[:, : self.length]
+        return x.reshape(self.moved_shape).movedim(-1, self.dim).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ side: the test that launches the ranks and loads what rank 0 wrote.
   train()         steps x micro-batches, loss / micro-batches backward, the optimizer step:
                   the losses (averaged over a process group's ranks) and the bytes all-gathered
                   per step
+  mean_square_loss()       a loss_of for train(): the mean square of the model's output
+  train_in_one_process()   the single-process reference run on the whole batch
   release_modes   the same run with release off and on (the comparison every worker makes)
   full(), full_weights(), masters_by_name()   what the tests compare, as plain FP32 tensors
   count_gathered_bytes()   the tests' own count of the all-gathered bytes

@@ -14,11 +14,7 @@ import zrw
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    zrw.cache.cache_clear()
-    yield
-    zrw.cache.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 def _mlp():

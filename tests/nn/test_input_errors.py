@@ -38,7 +38,7 @@ def test_linear_input_of_a_wrong_dtype_is_named_input(dtype):
     x = torch.ones(6, 64).to(dtype)
     with pytest.raises(
         TypeError,
-        match=rf"^mx_linear: input must be {INPUT_DTYPES}, got "
+        match=rf"^zrw\.nn\.functional\.mx_linear: input must be {INPUT_DTYPES}, got "
         rf"{re.escape(str(dtype))}$",
     ):
         layer(x)
@@ -54,15 +54,17 @@ def test_linear_input_must_be_a_tensor_of_at_least_one_dimension():
     layer = _linear()
     with pytest.raises(
         TypeError,
-        match=r"^mx_linear: input must be a torch\.Tensor, got "
-        r"NoneType$",
+        match=r"^zrw\.nn\.functional\.mx_linear: input must be a torch\.Tensor, got NoneType$",
     ):
         layer(None)
-    with pytest.raises(TypeError, match=r"^mx_linear: input must be a torch\.Tensor, got list$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^zrw\.nn\.functional\.mx_linear: input must be a torch\.Tensor, got list$",
+    ):
         layer([[1.0] * 64])
     with pytest.raises(
         ValueError,
-        match=r"^mx_linear: input must have at least one dimension "
+        match=r"^zrw\.nn\.functional\.mx_linear: input must have at least one dimension "
         r"\(\.\.\., K\), got a 0-d tensor$",
     ):
         layer(torch.tensor(1.0, dtype=BF16))
@@ -75,12 +77,14 @@ def test_linear_weight_that_is_not_2d_is_a_value_error_naming_it(shape):
     zrw.cache.set_weight_name(w, "odd.weight")
     with pytest.raises(
         ValueError,
-        match=rf"^mx_linear: weight 'odd\.weight' must be 2-d \(N, K\), "
+        match=rf"^zrw\.nn\.functional\.mx_linear: weight 'odd\.weight' must be 2-d \(N, K\), "
         rf"got shape {re.escape(str(tuple(shape)))}$",
     ):
         mx_linear(X, w, None, zrw.get_recipe("mxfp8"), release=False)
     # An unnamed weight is still named as the weight.
-    with pytest.raises(ValueError, match=r"^mx_linear: weight must be 2-d \(N, K\)"):
+    with pytest.raises(
+        ValueError, match=r"^zrw\.nn\.functional\.mx_linear: weight must be 2-d \(N, K\)"
+    ):
         mx_linear(X, torch.ones(shape, dtype=BF16), None, zrw.get_recipe("mxfp8"), release=False)
 
 
@@ -89,31 +93,28 @@ def test_linear_none_arguments_are_type_errors_naming_them():
     recipe = layer.recipe
     with pytest.raises(
         TypeError,
-        match=r"^mx_linear: weight must be a torch\.Tensor, got "
-        r"NoneType$",
+        match=r"^zrw\.nn\.functional\.mx_linear: weight must be a torch\.Tensor, got NoneType$",
     ):
         mx_linear(X, None, None, recipe)
     with pytest.raises(
         TypeError,
-        match=r"^mx_linear: input must be a torch\.Tensor, got "
-        r"NoneType$",
+        match=r"^zrw\.nn\.functional\.mx_linear: input must be a torch\.Tensor, got NoneType$",
     ):
         mx_linear(None, layer.weight, None, recipe)
     with pytest.raises(
         TypeError,
-        match=r"^mx_linear: recipe must be a zrw\.QuantRecipe or a "
+        match=r"^zrw\.nn\.functional\.mx_linear: recipe must be a zrw\.QuantRecipe or a "
         r"registered recipe name, got NoneType$",
     ):
         mx_linear(X, layer.weight, None, None)
     with pytest.raises(
         TypeError,
-        match=r"^mx_linear: bias must be a torch\.Tensor or None, got "
-        r"float$",
+        match=r"^zrw\.nn\.functional\.mx_linear: bias must be a torch\.Tensor or None, got float$",
     ):
         mx_linear(X, layer.weight, 0.0, recipe)
     with pytest.raises(
         ValueError,
-        match=r"^mx_linear: bias must have shape \(32,\) \(the "
+        match=r"^zrw\.nn\.functional\.mx_linear: bias must have shape \(32,\) \(the "
         r"weight's out_features\), got \(31,\)$",
     ):
         mx_linear(X, layer.weight, torch.zeros(31, dtype=BF16), recipe)
@@ -148,7 +149,7 @@ def test_linear_bad_input_leaves_the_weight_untouched():
     ],
 )
 def test_grouped_negative_counts_are_refused(counts, pattern):
-    with pytest.raises(ValueError, match=rf"^mx_grouped_linear: {pattern}"):
+    with pytest.raises(ValueError, match=rf"^zrw\.nn\.functional\.mx_grouped_linear: {pattern}"):
         _grouped()(X, counts)
 
 
@@ -174,14 +175,14 @@ def test_grouped_negative_counts_are_refused(counts, pattern):
     ],
 )
 def test_grouped_non_integer_counts_are_type_errors(counts, pattern):
-    with pytest.raises(TypeError, match=rf"^mx_grouped_linear: {pattern}"):
+    with pytest.raises(TypeError, match=rf"^zrw\.nn\.functional\.mx_grouped_linear: {pattern}"):
         _grouped()(X, counts)
 
 
 def test_grouped_counts_tensor_must_be_1d():
     with pytest.raises(
         ValueError,
-        match=r"^mx_grouped_linear: counts must be a 1-d tensor \(one "
+        match=r"^zrw\.nn\.functional\.mx_grouped_linear: counts must be a 1-d tensor \(one "
         r"count per expert\), got shape \(1, 3\)$",
     ):
         _grouped()(X, torch.tensor([[2, 2, 2]]))
@@ -204,25 +205,24 @@ def test_grouped_input_and_weight_are_named():
     layer = _grouped()
     with pytest.raises(
         TypeError,
-        match=rf"^mx_grouped_linear: x must be {INPUT_DTYPES}, got "
-        rf"torch\.int32$",
+        match=rf"^zrw\.nn\.functional\.mx_grouped_linear: x must be {INPUT_DTYPES}, got "
+        r"torch\.int32$",
     ):
         layer(X.int(), [2, 2, 2])
     with pytest.raises(
         TypeError,
-        match=r"^mx_grouped_linear: x must be a torch\.Tensor, got "
-        r"NoneType$",
+        match=r"^zrw\.nn\.functional\.mx_grouped_linear: x must be a torch\.Tensor, got NoneType$",
     ):
         layer(None, [2, 2, 2])
     with pytest.raises(
         ValueError,
-        match=r"^mx_grouped_linear: x must be 2-d \(T, K\), rows "
+        match=r"^zrw\.nn\.functional\.mx_grouped_linear: x must be 2-d \(T, K\), rows "
         r"grouped by expert, got shape \(1, 6, 64\)$",
     ):
         layer(X[None], [2, 2, 2])
     with pytest.raises(
         TypeError,
-        match=r"^mx_grouped_linear: weight must be a torch\.Tensor, "
+        match=r"^zrw\.nn\.functional\.mx_grouped_linear: weight must be a torch\.Tensor, "
         r"got NoneType$",
     ):
         mx_grouped_linear(X, None, [2, 2, 2], layer.recipe)
@@ -230,9 +230,9 @@ def test_grouped_input_and_weight_are_named():
     zrw.cache.set_weight_name(flat, "moe.experts")
     with pytest.raises(
         ValueError,
-        match=r"^mx_grouped_linear: weight 'moe\.experts' must be 3-d "
+        match=r"^zrw\.nn\.functional\.mx_grouped_linear: weight 'moe\.experts' must be 3-d "
         r"\(E, N, K\), got shape \(32, 64\)$",
     ):
         mx_grouped_linear(X, flat, [6], layer.recipe)
-    with pytest.raises(TypeError, match=r"^mx_grouped_linear: recipe must be"):
+    with pytest.raises(TypeError, match=r"^zrw\.nn\.functional\.mx_grouped_linear: recipe must be"):
         mx_grouped_linear(X, layer.weight, [2, 2, 2], None)

@@ -16,14 +16,12 @@ from hypothesis import strategies as st
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
 from helpers.bitwise import assert_bitwise, same_bits
+from helpers.quant import BLOCK, E8M0, NAN_BYTE
 from zrw import ops
 from zrw import reference as ref
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-E8M0 = torch.float8_e8m0fnu
-NAN_BYTE = 0xFF
-BLOCK = 32
 
 ELEM_DTYPES = (E4M3, E5M2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -377,9 +377,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call, exc_type, pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+def by_case(cases):
+    """Parametrize a test over (id, call, exc_type, pattern) cases."""
+    return pytest.mark.parametrize(
+        "call, exc_type, pattern", [c[1:] for c in cases], ids=[c[0] for c in cases]
+    )
+
+
+@by_case(CASES)
 def test_bad_argument_raises_with_a_message_naming_it(call, exc_type, pattern):
     with pytest.raises(exc_type, match=pattern):
         call()
@@ -509,9 +514,7 @@ FAKE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call, exc_type, pattern", [c[1:] for c in FAKE_CASES], ids=[c[0] for c in FAKE_CASES]
-)
+@by_case(FAKE_CASES)
 def test_fake_kernels_reject_what_the_cpu_kernels_reject(call, exc_type, pattern):
     # The fakes are what torch.compile traces and what meta tensors run: a bad argument must fail
     # there with the kernel's error, not trace into a graph that fails (or, for shapes, silently

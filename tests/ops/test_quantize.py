@@ -23,7 +23,11 @@ from hypothesis import strategies as st
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
 from helpers.quant import (
+    BLOCK,
+    E8M0,
     ISA_REQUIREMENTS,
+    NAN_BYTE,
+    RowsOfBlocks,
     as_bytes,
     assert_block_quantization_equal,
     assert_same_quantization,
@@ -37,9 +41,6 @@ from zrw import reference as ref
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-E8M0 = torch.float8_e8m0fnu
-NAN_BYTE = 0xFF
-BLOCK = 32
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEM_DTYPES = (E4M3, E5M2)
@@ -96,12 +97,8 @@ def make_input(kind, shape, dim, dtype, seed):
     Built as rows (R, D) with D = shape[dim], block by block, then moved back into place.
     """
     gen = torch.Generator().manual_seed(seed)
-    shape = tuple(shape)
-    dim = dim % len(shape)
-    moved_shape = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
-    length = shape[dim]
-    rows = math.prod(moved_shape[:-1])
-    nblocks = -(-length // BLOCK)
+    layout = RowsOfBlocks(shape, dim)
+    rows, nblocks = layout.rows, layout.nblocks
     lo, hi = MIN_SHIFT[dtype], MAX_SHIFT[dtype]
 
     def randn(*s):
@@ -184,7 +181,7 @@ def make_input(kind, shape, dim, dtype, seed):
     else:
         raise AssertionError(kind)
 
-    values = padded[:, :length].reshape(moved_shape).movedim(-1, dim)
+    values = layout.place(padded)
     x = values.to(dtype)
     if kind == "ties":
         # Ties are only ties if the cast to the input dtype was exact.

@@ -26,27 +26,15 @@ import pytest
 import torch
 
 import zrw  # noqa: F401  (registers torch.ops.zrw.*)
-from helpers import child_env
+from helpers import child_env, quant
 from helpers.bitwise import same_bits
-from helpers.quant import (
-    ISA_REQUIREMENTS,
-    as_bytes,
-    assert_block_quantization_equal,
-    assert_same_quantization,
-    cpu_flags,
-    dtype_id,
-    stable_seed,
-)
+from helpers.quant import BLOCK, NAN_BYTE, as_bytes, assert_same_quantization, dtype_id, stable_seed
 from zrw import ops
 from zrw import reference as ref
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-E8M0 = torch.float8_e8m0fnu
+E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 BF16 = torch.bfloat16
 FP16 = torch.float16
-BLOCK = 32
-NAN_BYTE = 0xFF
 
 PARAM_DTYPES = (BF16, FP16)
 FORMATS = [(e, m) for e in (E4M3, E5M2) for m in ops.SCALE_MODES]
@@ -97,12 +85,8 @@ def make_master(kind, shape, dim, param_dtype, seed):
     """An fp32 master of ``shape`` whose blocks along ``dim`` are of ``kind`` (module docstring),
     built as rows of blocks (R, nblocks, 32) and moved into place."""
     gen = torch.Generator().manual_seed(seed)
-    shape = tuple(shape)
-    dim = dim % len(shape)
-    moved_shape = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
-    length = shape[dim]
-    rows = math.prod(moved_shape[:-1])
-    nblocks = -(-length // BLOCK)
+    layout = quant.RowsOfBlocks(shape, dim)
+    rows, nblocks = layout.rows, layout.nblocks
     lo, hi = EXP_RANGE[param_dtype]
     size = (rows, nblocks, BLOCK)
 
@@ -189,8 +173,7 @@ def make_master(kind, shape, dim, param_dtype, seed):
     else:
         raise AssertionError(kind)
 
-    x = x.reshape(rows, nblocks * BLOCK)[:, :length].reshape(moved_shape)
-    return x.movedim(-1, dim).contiguous()
+    return layout.place(x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +222,7 @@ def check_master(master, param_dtype, layouts=LAYOUTS, formats=FORMATS):
                 failures.append(f"{what}: differs from the existing op on master.to(param_dtype)")
             try:
                 if layout == "block":
-                    assert_block_quantization_equal(got, spec, master.shape, what)
+                    quant.assert_block_quantization_equal(got, spec, master.shape, what)
                 else:
                     for i, d in enumerate(dims):
                         assert_same_quantization(
@@ -453,10 +436,10 @@ ISA_SCRIPT = textwrap.dedent(
 def isa_children():
     """One child per ISA this CPU runs, started when the module's first test runs so that they
     work while the other tests do; collected by the test at the end. {isa: Popen}."""
-    flags = cpu_flags()
+    flags = quant.cpu_flags()
     children = {}
     here = os.path.dirname(os.path.abspath(__file__))
-    for isa, need in ISA_REQUIREMENTS.items():
+    for isa, need in quant.ISA_REQUIREMENTS.items():
         if need <= flags:
             children[isa] = subprocess.Popen(
                 [sys.executable, "-c", ISA_SCRIPT],
@@ -472,10 +455,10 @@ def isa_children():
         child.communicate()
 
 
-@pytest.mark.parametrize("isa", list(ISA_REQUIREMENTS))
+@pytest.mark.parametrize("isa", list(quant.ISA_REQUIREMENTS))
 def test_every_cpu_kernel_build_quantizes_masters_as_their_parameters(isa, isa_children):
     if isa not in isa_children:
-        missing = ISA_REQUIREMENTS[isa] - cpu_flags()
+        missing = quant.ISA_REQUIREMENTS[isa] - quant.cpu_flags()
         pytest.skip(f"this CPU lacks {sorted(missing)} for ZRW_CPU_ISA={isa}")
     stdout, stderr = isa_children[isa].communicate(timeout=600)
     assert isa_children[isa].returncode == 0, stdout + stderr

@@ -34,11 +34,7 @@ class TwoLayers(nn.Module):
         return self.fc10(self.fc2(self.fc1(x)))
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    zrw.cache.cache_clear()
-    yield
-    zrw.cache.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 def _converted():

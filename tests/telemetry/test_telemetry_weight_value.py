@@ -16,11 +16,7 @@ BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def _empty_cache():
-    zrw.cache.cache_clear()
-    yield
-    zrw.cache.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_cache")
 
 
 def _mlp(seed=0):
