@@ -171,6 +171,11 @@ def attach(
 
 def has_boundary(optimizer: torch.optim.Optimizer) -> bool:
     """Whether zrw.optim.attach installed the boundary on `optimizer`."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"zrw.optim.has_boundary: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
     rec = find_optimizer_record(optimizer)
     return rec is not None and rec.hooks is not None
 

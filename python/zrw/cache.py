@@ -165,6 +165,14 @@ def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
+def _as_list(ts):
+    """An iterable that _tensor_list takes, as a list (a generator read once); anything else
+    as it is, for _tensor_list to refuse."""
+    if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
+        return ts
+    return list(ts)
+
+
 def quant_and_release(
     w: Tensor,
     recipe: str = "mxfp8",
@@ -297,15 +305,26 @@ def weight_name(w: Tensor) -> str:
     return "" if rec is None else rec.name
 
 
+def _check_optimizer(op: str, optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{op}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
 def register_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Record that `optimizer` (with the zrw boundary) steps these weights (zrw.optim.attach
     calls it)."""
-    lifecycle.own(_tensor_list("zrw.cache.register_owner", "weights", weights), optimizer)
+    ws = _tensor_list("zrw.cache.register_owner", "weights", weights)
+    _check_optimizer("zrw.cache.register_owner", optimizer)
+    lifecycle.own(ws, optimizer)
 
 
 def unregister_owner(weights: Iterable[Tensor], optimizer) -> None:
     """Forget `optimizer` as the owner of these weights (zrw.optim.detach)."""
-    lifecycle.disown(_tensor_list("zrw.cache.unregister_owner", "weights", weights), optimizer)
+    ws = _tensor_list("zrw.cache.unregister_owner", "weights", weights)
+    _check_optimizer("zrw.cache.unregister_owner", optimizer)
+    lifecycle.disown(ws, optimizer)
 
 
 def is_owned(w: Tensor) -> bool:
@@ -454,8 +473,18 @@ def write_back(
     """assign_weights for MasterWeights' write-back: also returns, per weight, the digest of
     the bytes it wrote in place (what `weight_digest` reads from them afterwards), taken right
     after each write, from cache, or None (released, or not a contiguous CPU tensor). Arguments
-    checked by the caller. The records say which master each weight holds."""
-    return lifecycle.write_back(list(weights), list(sources), keep_released)
+    checked as assign_weights checks them. The records say which master each weight holds."""
+    op = "zrw.cache.write_back"
+    ws, srcs = _as_list(weights), _as_list(sources)
+    _tensor_list(op, "weights", ws)  # checked; passed as given (the lifecycle unwraps them)
+    _tensor_list(op, "sources", srcs)
+    if len(ws) != len(srcs):
+        raise ValueError(
+            f"{op}: weights and sources must have the same length, got {len(ws)} and {len(srcs)}"
+        )
+    if not isinstance(keep_released, bool):
+        raise TypeError(f"{op}: keep_released must be a bool, got {type(keep_released).__name__}")
+    return lifecycle.write_back(ws, srcs, keep_released)
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)

@@ -43,6 +43,19 @@ from .state_dict import (  # noqa: F401
     warn_frozen_dequant,
 )
 
+__all__ = [
+    "FROZEN_MODES",
+    "export_mx",
+    "frozen_mode",
+    "frozen_values",
+    "iter_mx_state_dict",
+    "iter_state_dict",
+    "load_mx",
+    "materialize",
+    "save_mx_pretrained",
+    "save_safetensors",
+]
+
 
 def iter_state_dict(model: torch.nn.Module) -> Iterator[Tuple[str, Tensor]]:
     """(name, tensor) for every entry of `model.state_dict()`, in its order. A released weight

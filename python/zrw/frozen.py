@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 from torch import Tensor
@@ -48,17 +48,25 @@ def frozen_mode() -> str:
     return getattr(_frozen_state, "mode", "dequant")
 
 
-@contextlib.contextmanager
-def frozen_values(mode: str) -> Iterator[None]:
+def frozen_values(mode: str) -> ContextManager[None]:
     """Within this block each frozen weight released for good is handled as `mode` says:
     "dequant" (state_dict() and every save built on it, torch.save of a state dict, PEFT's
     save_pretrained, Trainer checkpoints, give its dequantized FP8 copy, the only value left,
     lossy against the BF16 weight it was made from; a write to it, PEFT's merge_and_unload,
-    fills it from that copy first) or "raise" (a named error for both)."""
-    if mode not in FROZEN_MODES:
-        raise ValueError(
-            f"zrw.cache.frozen_values: mode must be one of {FROZEN_MODES}, got {mode!r}"
+    fills it from that copy first) or "raise" (a named error for both). A wrong mode is refused
+    by the call itself, before the block."""
+    op = "zrw.cache.frozen_values"
+    if not isinstance(mode, str):
+        raise TypeError(
+            f"{op}: mode must be a str, one of {FROZEN_MODES}, got {type(mode).__name__}"
         )
+    if mode not in FROZEN_MODES:
+        raise ValueError(f"{op}: mode must be one of {FROZEN_MODES}, got {mode!r}")
+    return _frozen_values(mode)
+
+
+@contextlib.contextmanager
+def _frozen_values(mode: str) -> Iterator[None]:
     prev = frozen_mode()
     _frozen_state.mode = mode
     try:
@@ -209,6 +217,8 @@ def restore_frozen(model_or_weights, fill: str = "dequant") -> int:
     (restore_all skips frozen weights: their FP8 copy is kept across steps on purpose.)
     Returns the number restored."""
     op = "zrw.cache.restore_frozen"
+    if not isinstance(fill, str):
+        raise TypeError(f"{op}: fill must be the str 'dequant', got {type(fill).__name__}")
     if fill != "dequant":
         raise ValueError(
             f"{op}: fill must be 'dequant' (a frozen weight released for good has "

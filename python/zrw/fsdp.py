@@ -65,6 +65,20 @@ def clear_shard_cache() -> None:
 _boundary_handle = boundary.register_boundary_callback(lambda opt: clear_shard_cache())
 
 
+def _type_error(op: str, arg: str, expected: str, value) -> TypeError:
+    return TypeError(f"{op}: {arg} must be {expected}, got {type(value).__name__}")
+
+
+def _check_carrier_args(op: str, recipe, name, flag: str, value) -> None:
+    """The arguments PreQuantWeight and MXGatheredWeight share, each refused by name."""
+    if not isinstance(recipe, QuantRecipe):
+        raise _type_error(op, "recipe", "a zrw.QuantRecipe (zrw.get_recipe(name))", recipe)
+    if not isinstance(name, str):
+        raise _type_error(op, "name", "a str", name)
+    if not isinstance(value, bool):
+        raise _type_error(op, flag, "a bool", value)
+
+
 # Ops that keep the subclass when FSDP2 manipulates the sharded parameter (chunking, copying,
 # moving). In-place optimizer math runs on the inner tensor and returns it.
 _PRESERVED = {
@@ -92,6 +106,15 @@ class PreQuantWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: Tensor, recipe: QuantRecipe, name: str, both_planes: bool = False):
+        op = "zrw.fsdp.PreQuantWeight"
+        if not isinstance(tensor, Tensor):
+            raise _type_error(op, "tensor", "a torch.Tensor", tensor)
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"{op}: tensor must be a floating-point tensor (the weight or its master), "
+                f"got {tensor.dtype}"
+            )
+        _check_carrier_args(op, recipe, name, "both_planes", both_planes)
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -108,7 +131,7 @@ class PreQuantWeight(torch.Tensor):
         self._mx_recipe = recipe
         self._mx_name = name
         self._mx_both_planes = both_planes
-        self._mx_planes: Optional[Tuple[int, str, planes.MXWeight]] = None
+        self._mx_planes: Optional[Tuple[tuple, planes.MXWeight]] = None
         self._mx_warned = False
         _live.add(self)
 
@@ -162,13 +185,18 @@ class PreQuantWeight(torch.Tensor):
     # ---- the FSDP2 all-gather extension ------------------------------------------------------
 
     def _quantized_shard(self, param_dtype: torch.dtype) -> planes.MXWeight:
-        """The shard's MX planes, quantized once per optimizer step (zrw's step counter). For
-        "mxfp8-32x32" the compact block scale (block_scale) travels, the expanded scales are
-        None."""
+        """The shard's MX planes, quantized once per optimizer step. They are kept by the rule of
+        the native cache's unreleased entries (docs/design.md §5): fresh while zrw's step
+        counter, the shard's version and its bytes' address are those they were made at (a
+        load into the shard, DCP's included, moves the version; the boundary also drops them).
+        For "mxfp8-32x32" the compact block scale (block_scale) travels, the expanded scales
+        are None."""
+        t = self._tensor
         step = cache.cache_stats()["step"]
+        key = (step, self._version, t._version, t.data_ptr(), str(param_dtype))
         cached = self._mx_planes
-        if cached is not None and cached[0] == step and cached[1] == str(param_dtype):
-            return cached[2]
+        if cached is not None and cached[0] == key:
+            return cached[1]
         rcp = self._mx_recipe
         shard = self._tensor.detach().to(param_dtype)
         if rcp.block_32x32:
@@ -182,7 +210,7 @@ class PreQuantWeight(torch.Tensor):
             )
         with _lock:
             _stats["shard_quantizations"] += 1
-        self._mx_planes = (step, str(param_dtype), q)
+        self._mx_planes = (key, q)
         return q
 
     def _whole_blocks(self, outer_size: torch.Size, world: int) -> bool:
@@ -381,6 +409,16 @@ class MXGatheredWeight(planes.MXPlanesCarrier, torch.Tensor):
 
     @staticmethod
     def __new__(cls, size, dtype, device, recipe: QuantRecipe, name, requires_grad=False):
+        op = "zrw.fsdp.MXGatheredWeight"
+        if not isinstance(size, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in size
+        ):
+            raise _type_error(op, "size", "a torch.Size or a tuple of ints", size)
+        if not isinstance(dtype, torch.dtype):
+            raise _type_error(op, "dtype", "a torch.dtype", dtype)
+        if not isinstance(device, (torch.device, str)):
+            raise _type_error(op, "device", "a torch.device or a str", device)
+        _check_carrier_args(op, recipe, name, "requires_grad", requires_grad)
         return torch.Tensor._make_wrapper_subclass(
             cls, size, dtype=dtype, device=device, requires_grad=requires_grad
         )
@@ -478,6 +516,8 @@ def prepare(model: nn.Module, both_planes: bool = False) -> int:
         raise TypeError(
             f"zrw.fsdp.prepare: model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    if not isinstance(both_planes, bool):
+        raise _type_error("zrw.fsdp.prepare", "both_planes", "a bool", both_planes)
     model = planes.unwrap_model(model)
     managed = _fsdp_managed(model)
     n = 0

@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -119,14 +119,18 @@ def release_enabled() -> bool:
 _VERIFY_ENV = os.environ.get("ZRW_VERIFY", "") not in ("", "0")
 
 
-@contextlib.contextmanager
-def verify(enabled: bool = True) -> Iterator[None]:
+def verify(enabled: bool = True) -> ContextManager[None]:
     """Within this block every use of a cached weight re-quantizes the weight's current value
     and compares the bytes with the copy it is served; a mismatch raises StaleCopyError naming
     the weight and the last lifecycle event that touched it. ZRW_VERIFY=1 turns it on for a
-    whole run."""
+    whole run. A wrong `enabled` is refused by the call, before the block."""
     if not isinstance(enabled, bool):
         raise TypeError(f"zrw.cache.verify: enabled must be a bool, got {type(enabled).__name__}")
+    return _verify_block(enabled)
+
+
+@contextlib.contextmanager
+def _verify_block(enabled: bool) -> Iterator[None]:
     prev = getattr(_local_state, "verify", None)
     _local_state.verify = enabled
     try:
@@ -282,7 +286,15 @@ _CHUNK = 1 << 20  # elements compared at a time: the check's transient stays sma
 _U64 = (1 << 64) - 1
 
 
+def _tensor_arg(op: str, arg: str, t) -> None:
+    """The write check's and the rule of truth's public calls (zrw.cache re-exports them) refuse
+    a non-tensor by name."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"zrw.cache.{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def weight_signature(p: Tensor):
+    _tensor_arg("weight_signature", "p", p)
     return (p._version, p.dtype, p.device, tuple(p.shape))
 
 
@@ -300,6 +312,7 @@ def _plain(p: Tensor) -> Optional[Tensor]:
 def weight_digest(p: Tensor) -> Optional[int]:
     """A 64-bit digest of p's bytes, or None where it is not taken (not a contiguous CPU
     tensor). Read-only; p must not be released."""
+    _tensor_arg("weight_digest", "p", p)
     p = _plain(p)
     if p is None or p.device.type != "cpu" or not p.is_contiguous():
         return None
@@ -308,6 +321,8 @@ def weight_digest(p: Tensor) -> Optional[int]:
 
 def holds_master(p: Tensor, m: Tensor) -> bool:
     """Whether p's bits are exactly m.to(p.dtype), compared in chunks."""
+    _tensor_arg("holds_master", "p", p)
+    _tensor_arg("holds_master", "m", m)
     if p.shape != m.shape or p.device != m.device or p.element_size() not in _BITS:
         return False
     bits = _BITS[p.element_size()]
@@ -321,6 +336,15 @@ def holds_master(p: Tensor, m: Tensor) -> bool:
 
 
 def unchanged_since_write_back(p: Tensor, rec: Optional[WeightRecord], master: Tensor) -> bool:
+    """Whether p holds exactly what the last write-back from `master` wrote (its record `rec`
+    says: signature, digest and the master written)."""
+    _tensor_arg("unchanged_since_write_back", "p", p)
+    if rec is not None and not isinstance(rec, WeightRecord):
+        raise TypeError(
+            "zrw.cache.unchanged_since_write_back: rec must be a zrw.record.WeightRecord or "
+            f"None, got {type(rec).__name__}"
+        )
+    _tensor_arg("unchanged_since_write_back", "master", master)
     if rec is None or rec.digest is None or rec.written is None:
         return False
     cur = None if rec.current is None else rec.current()
@@ -330,6 +354,8 @@ def unchanged_since_write_back(p: Tensor, rec: Optional[WeightRecord], master: T
 def take_into_master(master: Tensor, value: Tensor) -> bool:
     """Rule of truth 1: a write reaches the master only if its bits differ from
     master.to(value.dtype). Returns whether the master changed."""
+    _tensor_arg("take_into_master", "master", master)
+    _tensor_arg("take_into_master", "value", value)
     master, value = _local(master), _local(value)
     if master.shape != value.shape:
         raise ValueError(

@@ -23,24 +23,24 @@ def as_group_list(params: Any) -> List[Dict[str, Any]]:
     """`params` as torch.optim.Optimizer accepts them, as a list of group dicts."""
     if isinstance(params, torch.Tensor):
         raise TypeError(
-            "MasterWeights: params must be an iterable of tensors or of param-group "
+            "zrw.optim.MasterWeights: params must be an iterable of tensors or of param-group "
             f"dicts, got a single {type(params).__name__}"
         )
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
         raise TypeError(
-            "MasterWeights: params must be an iterable of tensors or of param-group "
+            "zrw.optim.MasterWeights: params must be an iterable of tensors or of param-group "
             f"dicts (e.g. model.parameters()), got {type(params).__name__}"
         )
     groups = list(params)
     if not groups:
-        raise ValueError("MasterWeights: got an empty parameter list")
+        raise ValueError("zrw.optim.MasterWeights: got an empty parameter list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     out = []
     for gi, g in enumerate(groups):
         if not isinstance(g, dict) or "params" not in g:
             raise TypeError(
-                f"MasterWeights: param group {gi} must be a dict with 'params' (as "
+                f"zrw.optim.MasterWeights: param group {gi} must be a dict with 'params' (as "
                 f"group 0 is), got {type(g).__name__}"
                 + (f" with keys {sorted(map(str, g))}" if isinstance(g, dict) else "")
             )
@@ -50,7 +50,7 @@ def as_group_list(params: Any) -> List[Dict[str, Any]]:
             isinstance(ps, (str, bytes, dict)) or not isinstance(ps, Iterable)
         ):
             raise TypeError(
-                f"MasterWeights: param group {gi}'s 'params' must be a tensor or an "
+                f"zrw.optim.MasterWeights: param group {gi}'s 'params' must be a tensor or an "
                 f"iterable of tensors, got {type(ps).__name__}"
             )
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
@@ -59,7 +59,9 @@ def as_group_list(params: Any) -> List[Dict[str, Any]]:
                 where = (
                     f"params[{pi}]" if len(groups) == 1 else f"param_groups[{gi}]['params'][{pi}]"
                 )
-                raise TypeError(f"MasterWeights: {where} must be a tensor, got {type(p).__name__}")
+                raise TypeError(
+                    f"zrw.optim.MasterWeights: {where} must be a tensor, got {type(p).__name__}"
+                )
         out.append(g)
     refuse_duplicates(out)
     return out
@@ -74,7 +76,8 @@ def refuse_duplicates(groups: List[Dict[str, Any]], seen: Optional[Dict[int, str
             where = f"param_groups[{gi}]['params'][{pi}]"
             if id(p) in seen:
                 raise ValueError(
-                    f"MasterWeights: {where} (shape {tuple(p.shape)}) is the same parameter as "
+                    f"zrw.optim.MasterWeights: {where} (shape {tuple(p.shape)}) is the same "
+                    f"parameter as "
                     f"{seen[id(p)]}: each parameter must be listed once (one FP32 master per "
                     "parameter); pass model.parameters() or de-duplicate the list"
                 )
@@ -114,7 +117,7 @@ def refuse_inner(inner: torch.optim.Optimizer, start: int = 0) -> None:
     name = f"{type(inner).__module__}.{type(inner).__qualname__}"
     if getattr(inner, "bf16_stochastic_round", False) is True:
         raise ValueError(
-            f"MasterWeights: {name}(bf16_stochastic_round=True) rounds BF16 parameters "
+            f"zrw.optim.MasterWeights: {name}(bf16_stochastic_round=True) rounds BF16 parameters "
             "stochastically, but here it steps the FP32 masters (where torchao skips the "
             "rounding) and each BF16 weight is the round-to-nearest of its master: the flag "
             "would do nothing. Pass bf16_stochastic_round=False (the masters keep the "
@@ -133,7 +136,7 @@ def refuse_inner(inner: torch.optim.Optimizer, start: int = 0) -> None:
                     " (fused=True runs on CPU)" if kind == "capturable" and bad == ["cpu"] else ""
                 )
                 raise ValueError(
-                    f"MasterWeights: {name}({kind}=True) in param group {gi} needs its "
+                    f"zrw.optim.MasterWeights: {name}({kind}=True) in param group {gi} needs its "
                     f"parameters on {supported}, but the FP32 masters are on {bad} (their "
                     f"parameters' device): torch's step would fail at the first step. Pass "
                     f"{kind}=False{cpu_hint}"
@@ -148,7 +151,8 @@ def resync(opt) -> bool:
     changed."""
     if len(opt.param_groups) != len(opt.masters):
         raise RuntimeError(
-            f"MasterWeights: param_groups must keep its {len(opt.masters)} group(s) (add one "
+            f"zrw.optim.MasterWeights: param_groups must keep its {len(opt.masters)} "
+            "group(s) (add one "
             f"with add_param_group), got {len(opt.param_groups)}"
         )
     plan = []
@@ -158,7 +162,8 @@ def resync(opt) -> bool:
             continue
         if not isinstance(params, list):
             raise TypeError(
-                f"MasterWeights: param_groups[{gi}]['params'] must stay a list of tensors, "
+                f"zrw.optim.MasterWeights: param_groups[{gi}]['params'] must stay a list of "
+                "tensors, "
                 f"got {type(params).__name__}"
             )
         refuse_duplicates([group])

@@ -87,30 +87,31 @@ class MasterWeights(torch.optim.Optimizer):
             or not max_grad_norm > 0
         ):
             raise ValueError(
-                f"MasterWeights: max_grad_norm must be a positive number or None, "
+                f"zrw.optim.MasterWeights: max_grad_norm must be a positive number or None, "
                 f"got {max_grad_norm!r}"
             )
         if isinstance(optimizer_cls, torch.optim.Optimizer):
             raise TypeError(
-                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"zrw.optim.MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
                 f"subclass (it is built over the FP32 masters), got an instance of "
                 f"{type(optimizer_cls).__name__}: pass the class and its arguments"
             )
         if isinstance(optimizer_cls, type) and not issubclass(optimizer_cls, torch.optim.Optimizer):
             raise TypeError(
-                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"zrw.optim.MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
                 f"subclass (or a callable that returns an optimizer), got the class "
                 f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}"
             )
         if not callable(optimizer_cls):
             raise TypeError(
-                f"MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
+                f"zrw.optim.MasterWeights: optimizer_cls must be a torch.optim.Optimizer "
                 f"subclass (or a callable that returns an optimizer), got "
                 f"{type(optimizer_cls).__name__} {optimizer_cls!r}"
             )
         if not isinstance(keep_released, bool):
             raise TypeError(
-                f"MasterWeights: keep_released must be a bool, got {type(keep_released).__name__}"
+                "zrw.optim.MasterWeights: keep_released must be a bool, got "
+                f"{type(keep_released).__name__}"
             )
         groups = as_group_list(params)
         self.optimizer_cls = optimizer_cls
@@ -129,7 +130,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.inner = optimizer_cls(inner_groups, **kwargs)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise TypeError(
-                f"MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
+                f"zrw.optim.MasterWeights: optimizer_cls {optimizer_cls!r} must return a "
                 f"torch.optim.Optimizer, got {type(self.inner).__name__}"
             )
         refuse_inner(self.inner)
@@ -154,11 +155,11 @@ class MasterWeights(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(
-                    f"MasterWeights: params[{i}] must be a tensor, got {type(p).__name__}"
+                    f"zrw.optim.MasterWeights: params[{i}] must be a tensor, got {type(p).__name__}"
                 )
             if not p.is_floating_point():
                 raise TypeError(
-                    f"MasterWeights: parameters must be floating point, got "
+                    f"zrw.optim.MasterWeights: parameters must be floating point, got "
                     f"{p.dtype} (params[{i}], shape {tuple(p.shape)})"
                 )
             local = local_tensor(p)
@@ -166,7 +167,8 @@ class MasterWeights(torch.optim.Optimizer):
                 m = cache.master_of(local)
                 if m is None:
                     raise RuntimeError(
-                        f"MasterWeights: params[{i}] ('{cache.weight_name(local)}', shape "
+                        f"zrw.optim.MasterWeights: params[{i}] ('{cache.weight_name(local)}', "
+                        "shape "
                         f"{tuple(p.shape)}) is released and has no FP32 master (a frozen weight "
                         "released for good keeps only its MXFP8 copy): its exact value is gone. "
                         "Build the optimizer before the weight's first training forward, or "
@@ -283,7 +285,8 @@ class MasterWeights(torch.optim.Optimizer):
                     continue
                 if p.shape != m.shape:
                     raise RuntimeError(
-                        f"MasterWeights: parameter '{cache.weight_name(p) or tuple(m.shape)}' "
+                        "zrw.optim.MasterWeights: parameter "
+                        f"'{cache.weight_name(p) or tuple(m.shape)}' "
                         f"changed shape from {tuple(m.shape)} to {tuple(p.shape)} after the "
                         "optimizer was built; build a new optimizer for the new parameters"
                     )

@@ -51,7 +51,9 @@ _CHOICES = {  # argument -> (its values, what it means)
 
 def _choice(op: str, arg: str, value) -> str:
     allowed, why = _CHOICES[arg]
-    if not isinstance(value, str) or value not in allowed:
+    if not isinstance(value, str):
+        raise TypeError(f"{op}: {arg} must be a str, one of {allowed}, got {type(value).__name__}")
+    if value not in allowed:
         raise ValueError(f"{op}: {arg} must be one of {allowed} ({why}), got {value!r}")
     return value
 

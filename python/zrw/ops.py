@@ -200,24 +200,24 @@ def expand_block_scale(block_scale: Tensor, shape, dim: int) -> Tensor:
     """
     if not isinstance(block_scale, Tensor):
         raise TypeError(
-            f"expand_block_scale: block_scale must be a torch.Tensor, got "
+            f"zrw.ops.expand_block_scale: block_scale must be a torch.Tensor, got "
             f"{type(block_scale).__name__}"
         )
     try:
         shape = tuple(int(d) for d in shape)
     except TypeError:
         raise TypeError(
-            f"expand_block_scale: shape must be a sequence of ints, got {shape!r}"
+            f"zrw.ops.expand_block_scale: shape must be a sequence of ints, got {shape!r}"
         ) from None
     if len(shape) not in (2, 3) or len(shape) != block_scale.dim():
         raise ValueError(
-            f"expand_block_scale: shape must be the 2-d (N, K) or 3-d (E, N, K) "
+            f"zrw.ops.expand_block_scale: shape must be the 2-d (N, K) or 3-d (E, N, K) "
             f"shape of the weight whose block_scale (shape "
             f"{tuple(block_scale.shape)}) this is, got {shape}"
         )
     if shape[:-2] != tuple(block_scale.shape[:-2]):
         raise ValueError(
-            f"expand_block_scale: block_scale's leading dims "
+            f"zrw.ops.expand_block_scale: block_scale's leading dims "
             f"{tuple(block_scale.shape[:-2])} must equal shape's {shape[:-2]}"
         )
     return mx_expand_block_scale(block_scale, shape[-2], shape[-1], dim)

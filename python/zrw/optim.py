@@ -40,7 +40,13 @@ def adamw_class(state_dtype: Optional[str], kwargs: Optional[Dict[str, Any]] = N
     (STATE_DTYPES); `kwargs`, the extra keyword arguments meant for it, are checked against its
     signature so that one it does not take is refused by name (torch's foreach / fused /
     capturable with a torchao class, torchao's block_size with torch's)."""
-    op = "zrw.optim.AdamW"
+    return _adamw_class("zrw.optim.adamw_class", state_dtype, kwargs)
+
+
+def _adamw_class(op: str, state_dtype, kwargs) -> type:
+    """adamw_class, its errors named for `op` (the function the user called)."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"{op}: kwargs must be None or a dict, got {type(kwargs).__name__}")
     if state_dtype is not None and not isinstance(state_dtype, str):
         raise TypeError(
             f"{op}: state_dtype must be None or a str, one of {list(STATE_DTYPES)}, got "
@@ -116,7 +122,7 @@ class AdamW(MasterWeights):
         **kwargs: Any,
     ):
         super().__init__(
-            adamw_class(state_dtype, kwargs),
+            _adamw_class("zrw.optim.AdamW", state_dtype, kwargs),
             params,
             keep_released=keep_released,
             max_grad_norm=max_grad_norm,

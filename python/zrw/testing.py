@@ -11,7 +11,7 @@ changed.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator
+from typing import ContextManager, Dict, Iterator
 
 from . import _C, fsdp, memory
 
@@ -35,13 +35,13 @@ def _non_negative_int(fn: str, name: str, value) -> int:
     return value
 
 
-@contextlib.contextmanager
-def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iterator[None]:
+def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> ContextManager[None]:
     """Fault injection (test builds only, ZRW_TEST_OPS=ON): within the block, of the CPU
     allocations of at least `min_bytes`, the first `after` succeed and the `count` after them
     raise torch.OutOfMemoryError, as a real out-of-memory would. Needs zrw.memory's counting
     allocator: allocations go through it only once zrw.memory.install() ran (a storage created
-    earlier keeps the allocator it had). On exit the failures not yet consumed are cancelled."""
+    earlier keeps the allocator it had). On exit the failures not yet consumed are cancelled.
+    Wrong arguments are refused by the call itself, before the block."""
     min_bytes = _non_negative_int("fail_allocations", "min_bytes", min_bytes)
     count = _non_negative_int("fail_allocations", "count", count)
     after = _non_negative_int("fail_allocations", "after", after)
@@ -55,6 +55,11 @@ def fail_allocations(min_bytes: int = 0, count: int = 1, after: int = 0) -> Iter
             "zrw.testing.fail_allocations: the counting allocator is not installed: call "
             "zrw.memory.install() before building the tensors whose allocations should fail"
         )
+    return _failing(min_bytes, count, after)
+
+
+@contextlib.contextmanager
+def _failing(min_bytes: int, count: int, after: int) -> Iterator[None]:
     _C.memory_fail_next(min_bytes, after, count)
     try:
         yield

@@ -163,7 +163,7 @@ def _failing_config(monkeypatch, model):
 
 DIRECTORY_CASES = {
     "kernel": (lambda d, mp: save_mx_pretrained(converted(), d, kernel="cuda"), ValueError),
-    "experts": (lambda d, mp: save_mx_pretrained(converted(), d, experts=1), ValueError),
+    "experts": (lambda d, mp: save_mx_pretrained(converted(), d, experts=1), TypeError),
     "save_directory": (lambda d, mp: save_mx_pretrained(converted(), 5), TypeError),
     "save_directory bytes": (
         lambda d, mp: save_mx_pretrained(converted(), os.fsencode(d)),

@@ -194,3 +194,25 @@ def test_marker_blocks_live_in_the_docs(page, marker):
     assert text.count(start) == 1 and text.count(end) == 1, (page, marker)
     assert text.index(start) < text.index(end)
     assert start not in README.read_text()
+
+
+_HISTORY = re.compile(r"issue [0-9]+|\bsessions?\b", re.IGNORECASE)
+
+
+def test_the_product_speaks_of_features_not_of_tracker_issues_or_sessions():
+    """Code, docs, tests and messages name features and behaviours; history belongs in git."""
+    found = []
+    for top in ("docs", "python", "csrc", "tests", "README.md"):
+        base = ROOT / top
+        paths = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for path in paths:
+            if path.suffix not in (".py", ".md", ".h", ".cpp", ".txt", ".toml", ""):
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for n, line in enumerate(text.splitlines(), 1):
+                if _HISTORY.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)

@@ -45,6 +45,14 @@ from ..weights import main_grad_owner as _main_grad_owner
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# The name the errors of the functional forms (and so of the layers, which call them) give.
+_LINEAR = "zrw.nn.functional.mx_linear"
+_GROUPED = "zrw.nn.functional.mx_grouped_linear"
+
+# The functional forms a user calls; the layers' own path, `linear` / `grouped_linear`, takes
+# their zrw.weights.WeightPolicy.
+__all__ = ["INPUT_DTYPES", "dtensor_linear", "mx_grouped_linear", "mx_linear"]
+
 # The GEMMs' ops run inside the autograd functions below, where no input requires grad: the
 # dispatcher is sent straight past the Autograd key (zrw._autograd's refusal of differentiable
 # inputs, a Python kernel, would cost a Python round trip per op for nothing).
@@ -273,15 +281,15 @@ def mx_linear(
     messages) defaults to the weight's own (zrw.cache.set_weight_name). A DTensor weight (tensor
     parallelism) computes on the rank's local shard (`dtensor_linear`). The flags make one
     zrw.weights.WeightPolicy; the layers pass theirs to `linear` directly."""
-    recipe = check_layer_args("mx_linear", x, "input", weight, "(N, K)", recipe, name)
+    recipe = check_layer_args(_LINEAR, x, "input", weight, "(N, K)", recipe, name)
     return _linear(x, weight, bias, WeightPolicy(recipe, release, release_frozen, main_grad, name))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPolicy) -> Tensor:
     """mx_linear with the weight's policy (recipe, release flags, main_grad, name) as one
     object: what MXLinear's forward calls with its cached `policy`."""
-    policy = check_policy("mx_linear", policy)
-    check_layer_args("mx_linear", x, "input", weight, "(N, K)", policy.recipe, policy.name)
+    policy = check_policy(_LINEAR, policy)
+    check_layer_args(_LINEAR, x, "input", weight, "(N, K)", policy.recipe, policy.name)
     return _linear(x, weight, bias, policy)
 
 
@@ -289,22 +297,22 @@ def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPol
     """linear after the arguments every layer shares were checked (check_layer_args)."""
     if x.dim() < 1:
         raise ValueError(
-            "mx_linear: input must have at least one dimension (..., K), got a 0-d tensor"
+            f"{_LINEAR}: input must have at least one dimension (..., K), got a 0-d tensor"
         )
     if bias is not None:
         if not isinstance(bias, Tensor):
             raise TypeError(
-                f"mx_linear: bias must be a torch.Tensor or None, got {type(bias).__name__}"
+                f"{_LINEAR}: bias must be a torch.Tensor or None, got {type(bias).__name__}"
             )
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(
-                f"mx_linear: bias must have shape ({weight.shape[0]},) (the "
+                f"{_LINEAR}: bias must have shape ({weight.shape[0]},) (the "
                 f"weight's out_features), got {tuple(bias.shape)}"
             )
     if x.shape[-1] != weight.shape[-1]:
         name = cache.weight_name(weight) if policy.name is None else policy.name
         raise ValueError(
-            f"mx_linear: input's last dim must equal weight '{name}''s in_features "
+            f"{_LINEAR}: input's last dim must equal weight '{name}''s in_features "
             f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}"
         )
     if is_dtensor(weight):
@@ -395,7 +403,7 @@ def _dtensor_linear(
     check_placements(weight, shown)
     if not is_dtensor(x):
         raise TypeError(
-            f"mx_linear: weight '{shown}' is a DTensor ({weight.placements} on a mesh of "
+            f"{_LINEAR}: weight '{shown}' is a DTensor ({weight.placements} on a mesh of "
             f"{weight.device_mesh.size()}), so the input must be a DTensor on the same mesh "
             f"(the parallel style prepares it), got a plain {type(x).__name__} of shape "
             f"{tuple(x.shape)}"
@@ -403,14 +411,14 @@ def _dtensor_linear(
     mesh = weight.device_mesh
     if x.device_mesh != mesh:
         raise ValueError(
-            f"mx_linear: the input of weight '{shown}' lives on another device "
+            f"{_LINEAR}: the input of weight '{shown}' lives on another device "
             f"mesh ({x.device_mesh}) than the weight ({mesh})"
         )
     (wp,) = weight.placements
     wdim, factor = shard_info(wp)
     if factor != 1:
         raise ValueError(
-            f"mx_linear: weight '{shown}' is sharded {wp} (packed parts): such a weight reaches "
+            f"{_LINEAR}: weight '{shown}' is sharded {wp} (packed parts): such a weight reaches "
             "zrw as its local shard through the engine style that packed it (transformers' "
             "packed_colwise), never as a DTensor inside forward"
         )
@@ -422,12 +430,12 @@ def _dtensor_linear(
         (xp,) = x.placements
         if xp.is_partial() or (xp.is_shard() and xp.dim % x.dim() == last):
             raise ValueError(
-                f"mx_linear: weight '{shown}' is replicated, so its input must not be "
+                f"{_LINEAR}: weight '{shown}' is replicated, so its input must not be "
                 f"sharded along in_features nor partial, got {x.placements}"
             )
         if xp.is_shard():
             raise ValueError(
-                f"mx_linear: weight '{shown}' is replicated and its input sharded {xp}: "
+                f"{_LINEAR}: weight '{shown}' is replicated and its input sharded {xp}: "
                 "the weight gradient would be a partial sum over ranks; shard the weight "
                 "(ColwiseParallel / RowwiseParallel) or replicate the input"
             )
@@ -487,7 +495,7 @@ def mx_grouped_linear(
     in FP32 into `weight.main_grad` instead of `.grad` (as Megatron does; zrw.convert's
     main_grad).
     """
-    recipe = check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", recipe, name)
+    recipe = check_layer_args(_GROUPED, x, "x", weight, "(E, N, K)", recipe, name)
     return _grouped_linear(
         x, weight, counts, WeightPolicy(recipe, release, release_frozen, main_grad, name)
     )
@@ -498,8 +506,8 @@ def grouped_linear(
 ) -> Tensor:
     """mx_grouped_linear with the stack's policy as one object: what the expert layers' forward
     calls with their cached `policy`."""
-    policy = check_policy("mx_grouped_linear", policy)
-    check_layer_args("mx_grouped_linear", x, "x", weight, "(E, N, K)", policy.recipe, policy.name)
+    policy = check_policy(_GROUPED, policy)
+    check_layer_args(_GROUPED, x, "x", weight, "(E, N, K)", policy.recipe, policy.name)
     return _grouped_linear(x, weight, counts, policy)
 
 
@@ -508,7 +516,7 @@ def _grouped_linear(
 ) -> Tensor:
     """grouped_linear after the arguments every layer shares were checked (check_layer_args)."""
     recipe, name, main_grad = policy.recipe, policy.name, policy.main_grad
-    op = "mx_grouped_linear"
+    op = _GROUPED
     shown = cache.weight_name(weight) if name is None else name
     if x.dim() != 2:
         raise ValueError(
@@ -517,13 +525,13 @@ def _grouped_linear(
     counts = checked_counts(op, counts)
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
-            f"mx_grouped_linear: counts must have one entry per expert "
+            f"{_GROUPED}: counts must have one entry per expert "
             f"({weight.shape[0]}) summing to the {x.shape[0]} rows of x, got "
             f"{len(counts)} entries summing to {sum(counts)}"
         )
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
-            f"mx_grouped_linear: x's last dim must equal weight '{shown}''s K "
+            f"{_GROUPED}: x's last dim must equal weight '{shown}''s K "
             f"{weight.shape[-1]}, got x of shape {tuple(x.shape)}"
         )
     if is_dtensor(weight):
