@@ -1,10 +1,8 @@
-"""Fake kernels of zrw's ops: shapes and dtypes only, never data (docs/design.md §4).
+"""Fake kernels of zrw's ops: shapes and dtypes only, never data (docs/design.md §4, "Fakes").
 
-They let torch.compile, FakeTensor and torch.library.opcheck reason about the ops. Each
-stateless op and quant_and_release has one that mirrors the layout contract and the checks of
-the CPU kernel it stands for (see zrw.ops). The cache ops that take tensors get fakes that
-refuse (they are eager-only); the tensorless bookkeeping ops (cache_clear, next_step,
-cache_stats, cache_entries) have none: no fake tensor can dispatch to them.
+Each stateless op and quant_and_release has one that mirrors the layout contract and the checks
+of the CPU kernel (csrc/common/checks.h: the same exception types and messages, so a bad
+argument fails while tracing, not later); the cache ops that take tensors get fakes that refuse.
 """
 
 import torch
@@ -12,6 +10,9 @@ import torch
 from .ops import SCALE_MODES
 
 BLOCK = 32
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_E8M0 = torch.float8_e8m0fnu
 
 
 def _ceil_div(a: int, b: int):
@@ -22,13 +23,6 @@ def _scale_shape(shape, dim: int):
     s = list(shape)
     s[dim] = _ceil_div(s[dim], BLOCK)
     return s
-
-
-# The fakes check what the kernels check (csrc/common/checks.h), with the same exception types
-# and messages: a bad argument must fail while tracing or on meta tensors, not trace into a
-# graph that fails later or mis-sizes an output.
-_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _check_devices(op: str, **tensors) -> None:
@@ -70,7 +64,7 @@ def _check_out_dtype(op: str, dtype) -> None:
 
 
 def _check_scale(op: str, arg: str, s) -> None:
-    if s.dtype != torch.float8_e8m0fnu:
+    if s.dtype != _E8M0:
         raise TypeError(f"{op}: {arg} must be torch.float8_e8m0fnu, got {s.dtype}")
 
 
@@ -84,9 +78,11 @@ def _wrap(op: str, arg: str, dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def _check_weight_rank(op: str, w) -> None:
+def _check_weight_rank(op: str, arg: str, w) -> None:
     if w.dim() not in (2, 3):
-        raise ValueError(f"{op}: w must be 2-d (N, K) or 3-d (E, N, K), got shape {list(w.shape)}")
+        raise ValueError(
+            f"{op}: {arg} must be 2-d (N, K) or 3-d (E, N, K), got shape {list(w.shape)}"
+        )
 
 
 def _check_scale_matches(op, data_arg, scale_arg, data, scale, dim) -> None:
@@ -99,119 +95,82 @@ def _check_scale_matches(op, data_arg, scale_arg, data, scale, dim) -> None:
         )
 
 
-@torch.library.register_fake("zrw::mx_quantize")
-def _(x, dim, elem_dtype, scale_mode):
-    op = "zrw.mx_quantize"
-    _check_float_input(op, "x", x)
+def _check_quantize(op, x, weight, elem_dtype, scale_mode, param_dtype=None) -> None:
+    """The checks of the quantize ops, in the kernels' order: the input (an FP32 master where
+    `param_dtype` is given), a weight's rank, param_dtype, elem_dtype, scale_mode."""
+    if param_dtype is None:
+        _check_float_input(op, "w" if weight else "x", x)
+    elif x.dtype != torch.float32:
+        raise TypeError(
+            f"{op}: master must be torch.float32 (the FP32 master weight), got {x.dtype}"
+        )
+    if weight:
+        _check_weight_rank(op, "w" if param_dtype is None else "master", x)
+    if param_dtype is not None and param_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"{op}: param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}"
+        )
     _check_elem(op, "elem_dtype", elem_dtype)
     _check_mode(op, scale_mode)
-    return _axis_outputs(x, _wrap(op, "x", dim, x.dim()), elem_dtype)
 
 
 def _axis_outputs(x, d, elem_dtype):
     """The one-axis outputs for an input of x's shape: data and scales along dim d."""
-    return (
-        x.new_empty(x.shape, dtype=elem_dtype),
-        x.new_empty(_scale_shape(x.shape, d), dtype=torch.float8_e8m0fnu),
+    return x.new_empty(x.shape, dtype=elem_dtype), x.new_empty(
+        _scale_shape(x.shape, d), dtype=_E8M0
     )
-
-
-@torch.library.register_fake("zrw::mx_quantize_dual")
-def _(w, elem_dtype, scale_mode):
-    op = "zrw.mx_quantize_dual"
-    _check_float_input(op, "w", w)
-    _check_weight_rank(op, w)
-    _check_elem(op, "elem_dtype", elem_dtype)
-    _check_mode(op, scale_mode)
-    return _dual_outputs(w, elem_dtype)
 
 
 def _dual_outputs(w, elem_dtype):
     """The dual-axis outputs for a weight of w's shape: data and scales along K, then along N."""
-    nd = w.dim()
-    return (
-        w.new_empty(w.shape, dtype=elem_dtype),
-        w.new_empty(_scale_shape(w.shape, nd - 1), dtype=torch.float8_e8m0fnu),
-        w.new_empty(w.shape, dtype=elem_dtype),
-        w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
-    )
+    return (*_axis_outputs(w, w.dim() - 1, elem_dtype), *_axis_outputs(w, w.dim() - 2, elem_dtype))
 
 
 def _block_outputs(w, elem_dtype):
     """The 32x32 outputs for a weight of w's shape: data and one scale per tile."""
-    nd = w.dim()
-    bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
-    return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=torch.float8_e8m0fnu)
+    bshape = _scale_shape(_scale_shape(w.shape, w.dim() - 1), w.dim() - 2)
+    return w.new_empty(w.shape, dtype=elem_dtype), w.new_empty(bshape, dtype=_E8M0)
+
+
+@torch.library.register_fake("zrw::mx_quantize")
+def _(x, dim, elem_dtype, scale_mode):
+    op = "zrw.mx_quantize"
+    _check_quantize(op, x, False, elem_dtype, scale_mode)
+    return _axis_outputs(x, _wrap(op, "x", dim, x.dim()), elem_dtype)
+
+
+@torch.library.register_fake("zrw::mx_quantize_dual")
+def _(w, elem_dtype, scale_mode):
+    _check_quantize("zrw.mx_quantize_dual", w, True, elem_dtype, scale_mode)
+    return _dual_outputs(w, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_quantize_block")
 def _(w, elem_dtype, scale_mode):
-    op = "zrw.mx_quantize_block"
-    _check_float_input(op, "w", w)
-    _check_weight_rank(op, w)
-    _check_elem(op, "elem_dtype", elem_dtype)
-    _check_mode(op, scale_mode)
+    _check_quantize("zrw.mx_quantize_block", w, True, elem_dtype, scale_mode)
     return _block_outputs(w, elem_dtype)
 
 
 # The *_from_master ops: an FP32 master quantized as its bf16/fp16 parameter; the outputs are
 # those of the plain ops (the master's shape, never its dtype).
-_PARAM = (torch.bfloat16, torch.float16)
-
-
-def _check_master(op: str, master) -> None:
-    if master.dtype != torch.float32:
-        raise TypeError(
-            f"{op}: master must be torch.float32 (the FP32 master weight), got {master.dtype}"
-        )
-
-
-def _check_param_dtype(op: str, param_dtype) -> None:
-    if param_dtype not in _PARAM:
-        raise TypeError(
-            f"{op}: param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}"
-        )
-
-
-def _check_master_weight_rank(op: str, master) -> None:
-    if master.dim() not in (2, 3):
-        raise ValueError(
-            f"{op}: master must be 2-d (N, K) or 3-d (E, N, K), got shape {list(master.shape)}"
-        )
-
-
 @torch.library.register_fake("zrw::mx_quantize_from_master")
 def _(master, dim, param_dtype, elem_dtype, scale_mode):
     op = "zrw.mx_quantize_from_master"
-    _check_master(op, master)
-    _check_param_dtype(op, param_dtype)
-    _check_elem(op, "elem_dtype", elem_dtype)
-    _check_mode(op, scale_mode)
+    _check_quantize(op, master, False, elem_dtype, scale_mode, param_dtype)
     return _axis_outputs(master, _wrap(op, "master", dim, master.dim()), elem_dtype)
-
-
-def _check_master_weight_args(op, master, param_dtype, elem_dtype, scale_mode) -> None:
-    """The checks of the weight-shaped from-master ops (dual-axis, 32x32)."""
-    _check_master(op, master)
-    _check_master_weight_rank(op, master)
-    _check_param_dtype(op, param_dtype)
-    _check_elem(op, "elem_dtype", elem_dtype)
-    _check_mode(op, scale_mode)
 
 
 @torch.library.register_fake("zrw::mx_quantize_dual_from_master")
 def _(master, param_dtype, elem_dtype, scale_mode):
-    _check_master_weight_args(
-        "zrw.mx_quantize_dual_from_master", master, param_dtype, elem_dtype, scale_mode
-    )
+    op = "zrw.mx_quantize_dual_from_master"
+    _check_quantize(op, master, True, elem_dtype, scale_mode, param_dtype)
     return _dual_outputs(master, elem_dtype)
 
 
 @torch.library.register_fake("zrw::mx_quantize_block_from_master")
 def _(master, param_dtype, elem_dtype, scale_mode):
-    _check_master_weight_args(
-        "zrw.mx_quantize_block_from_master", master, param_dtype, elem_dtype, scale_mode
-    )
+    op = "zrw.mx_quantize_block_from_master"
+    _check_quantize(op, master, True, elem_dtype, scale_mode, param_dtype)
     return _block_outputs(master, elem_dtype)
 
 
@@ -253,18 +212,12 @@ def _(a, a_scale, b, b_scale, out_dtype):
 @torch.library.register_fake("zrw::mx_expand_block_scale")
 def _mx_expand_block_scale_fake(block_scale, n, k, dim):
     op = "zrw.mx_expand_block_scale"
-    if block_scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"{op}: block_scale must be torch.float8_e8m0fnu, got {block_scale.dtype}")
+    _check_scale(op, "block_scale", block_scale)
     nd = block_scale.dim()
-    if (
-        nd not in (2, 3)
-        or n < 0
-        or k < 0
-        or tuple(block_scale.shape[-2:]) != (_ceil_div(n, BLOCK), _ceil_div(k, BLOCK))
-    ):
+    tiles = (_ceil_div(n, BLOCK), _ceil_div(k, BLOCK))
+    if nd not in (2, 3) or n < 0 or k < 0 or tuple(block_scale.shape[-2:]) != tiles:
         raise ValueError(
-            f"{op}: block_scale of a weight with N={n}, K={k} must end in "
-            f"({_ceil_div(n, BLOCK)}, {_ceil_div(k, BLOCK)}), got shape "
+            f"{op}: block_scale of a weight with N={n}, K={k} must end in {tiles}, got shape "
             f"{tuple(block_scale.shape)}"
         )
     if dim in (-1, nd - 1):
@@ -281,23 +234,11 @@ def _mx_expand_block_scale_fake(block_scale, n, k, dim):
 
 @torch.library.register_fake("zrw::quant_and_release")
 def _(w, recipe, release, release_frozen, elem_dtype, scale_mode, name, trainable=None):
-    nd = w.dim()
+    dual = list(_dual_outputs(w, elem_dtype))
     if recipe == "mxfp8":
-        return [
-            w.new_empty(w.shape, dtype=elem_dtype),
-            w.new_empty(_scale_shape(w.shape, nd - 1), dtype=torch.float8_e8m0fnu),
-            w.new_empty(w.shape, dtype=elem_dtype),
-            w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
-        ]
-    data = w.new_empty(w.shape, dtype=elem_dtype)
-    bshape = _scale_shape(_scale_shape(w.shape, nd - 1), nd - 2)
-    return [
-        data,
-        w.new_empty(_scale_shape(w.shape, nd - 1), dtype=torch.float8_e8m0fnu),
-        data,
-        w.new_empty(_scale_shape(w.shape, nd - 2), dtype=torch.float8_e8m0fnu),
-        w.new_empty(bshape, dtype=torch.float8_e8m0fnu),
-    ]
+        return dual
+    data, block = _block_outputs(w, elem_dtype)
+    return [data, dual[1], data, dual[3], block]
 
 
 def _eager_only(name: str):
@@ -313,15 +254,7 @@ def _eager_only(name: str):
 
 # The cache ops that take tensors (weights; restore_all its skip list): no meaningful fake exists
 # (their effect is on the weights' storage and the process-wide table), so the fake says so
-# instead of pretending.
-for _name in (
-    "restore",
-    "restore_weights",
-    "assign_weights",
-    "cache_invalidate",
-    "cache_state",
-    "cache_states",
-    "cache_master",
-    "restore_all",
-):
+# instead of pretending. The tensorless bookkeeping ops have none: no fake tensor reaches them.
+_EAGER_ONLY = "restore restore_weights assign_weights cache_invalidate cache_state cache_states"
+for _name in (*_EAGER_ONLY.split(), "cache_master", "restore_all"):
     torch.library.register_fake(f"zrw::{_name}")(_eager_only(_name))
