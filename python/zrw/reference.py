@@ -1,41 +1,13 @@
 """The plain-PyTorch specification of every zrw MX op: readable first, fast never.
 
-Every backend (the C++ CPU kernels, CUDA, NPU) must produce the same bytes as these functions; tests
-compare against them with zero tolerance (docs/design.md §3). No function here calls a compiled
-kernel, but the module is not independent of the extension: it imports ``zrw.ops`` (for
-``SCALE_MODES``, whose one source is the C++ names), which loads ``zrw._C``, and so does ``import
-zrw``. It needs the built extension like every zrw module.
-
-The format (OCP Microscaling v1.0, MXFP8)
------------------------------------------
-A tensor is cut into blocks of ``BLOCK = 32`` consecutive elements along one axis. Each block keeps
-one shared scale ``2^e`` and 32 fp8 elements, so that ``x ~= element * 2^e``.
-
-* Scale: a ``torch.float8_e8m0fnu`` byte holding the biased exponent ``e + 127``; byte 0x00 is
-  ``2^-127``, byte 0xFF is NaN. Only ``e`` in [-127, 127] is representable.
-* Elements: ``torch.float8_e4m3fn`` (largest 448 = 1.75 * 2^8, "emax" 8) or ``torch.float8_e5m2``
-  (largest 57344 = 1.75 * 2^15, emax 15).
-* ``amax`` is a block's largest ``|x|``. A dimension that is not a multiple of 32 ends in a shorter
-  block; its missing elements count as 0.
-* ``scale_mode="floor"`` (OCP): ``e = floor(log2(amax)) - emax``. The block's largest element then
-  lands in [2^emax, 2^(emax+1)), and the part above the format's max saturates.
-* ``scale_mode="rceil"`` (cuBLAS / Transformer Engine): the smallest ``e`` with
-  ``amax / 2^e <= max``, so nothing saturates. It is floor's ``e`` or one more.
-* Both clamp ``e`` to [-127, 127]. An all-zero block therefore gets byte 0x00 (log2(0) = -inf clamps
-  to -127), and a tiny block may get a scale smaller than its amax needs (its elements are then
-  subnormal or zero). A block holding any NaN or +-Inf gets byte 0xFF and its elements are
-  unspecified (written as NaN here): a NaN weight is a bug upstream and must show, not vanish.
-* Elements are ``x / 2^e`` rounded to nearest, ties to even, saturated to +-max, subnormals kept.
-
-Canonical layouts: ``mx_quantize`` blocks along any ``dim`` and returns ``data`` with ``x``'s shape
-and ``scale`` with ``x``'s shape where ``dim`` has ``ceil(D / 32)`` entries. A weight ``W`` is
-(N, K) = (out_features, in_features) or a stack (E, N, K); its forward copy is blocked along K
-(dim -1), its backward copy along N (dim -2). The 32x32 recipe keeps one copy with one scale per
-32x32 tile (``block_scale`` (..., ceil(N/32), ceil(K/32))); ``expand_block_scale`` turns that into
-the per-axis scales the other ops take.
-
-Why the arithmetic is exact: every bf16/fp16/fp32 value times ``2^-e`` for ``e`` in [-127, 127] is
-exactly representable in float64, so blocks are scaled in float64 and rounded once, to fp8.
+Every backend (the C++ CPU kernels, CUDA, NPU) must produce the same bytes as these functions;
+tests compare against them with zero tolerance. The format and its rules (OCP Microscaling
+v1.0, MXFP8: blocks of 32, E8M0 scales, the `floor` and `rceil` scale rules, rounding, the
+specials, the layouts) are docs/design.md §3; the code below spells them out. Why it is exact:
+every bf16/fp16/fp32 value times ``2^-e`` for ``e`` in [-127, 127] is exactly representable in
+float64, so blocks are scaled in float64 and rounded once, to fp8. No function here calls a
+compiled kernel, but the module imports ``zrw.ops`` (``SCALE_MODES``, whose one source is the
+C++ names), so it needs the built extension like every zrw module.
 """
 
 import math
@@ -181,20 +153,10 @@ def _e8m0_value(scale_byte):
 
 
 def mx_quantize(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
-    """MX-quantize ``x`` in blocks of 32 consecutive elements along ``dim``.
-
-    Args:
-        x: any rank >= 1, dtype bfloat16, float16 or float32, any strides.
-        dim: the axis the blocks run along; its length D need not be a multiple of 32 (the last
-            block is shorter; its missing elements count as 0 for amax).
-        elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        scale_mode: ``"floor"`` or ``"rceil"`` (see the module docstring).
-
-    Returns:
-        ``(data, scale)``: ``data`` has ``x``'s shape and dtype ``elem_dtype``; ``scale`` has
-        ``x``'s shape with ``dim`` of size ``ceil(D / 32)`` and dtype ``torch.float8_e8m0fnu``.
-        Both are contiguous.
-    """
+    """MX-quantize ``x`` (any rank >= 1, bf16 / fp16 / fp32, any strides) in blocks of 32
+    along ``dim`` (a last shorter block's missing elements count as 0 for amax). Returns
+    contiguous ``(data, scale)``: ``data`` of ``x``'s shape in ``elem_dtype``, ``scale``
+    (``torch.float8_e8m0fnu``) of ``x``'s shape with ``dim`` of size ``ceil(D / 32)``."""
     _check_input(x, "x")
     _check_elem_dtype(elem_dtype)
     _check_scale_mode(scale_mode)
@@ -218,17 +180,9 @@ def mx_quantize(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
 
 
 def mx_quantize_dual(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
-    """Both MX copies of a weight: blocked along K for forward, along N for backward.
-
-    Args:
-        w: weight of shape (N, K) or (E, N, K), dtype bfloat16, float16 or float32.
-
-    Returns:
-        ``(data_fwd, scale_fwd, data_bwd, scale_bwd)``: ``data_fwd`` and ``data_bwd`` have ``w``'s
-        shape; ``scale_fwd`` is (..., N, ceil(K/32)) (blocks along dim -1), ``scale_bwd`` is
-        (..., ceil(N/32), K) (blocks along dim -2). Each pair is exactly ``mx_quantize`` of ``w``
-        along that axis.
-    """
+    """Both MX copies of a weight ``w`` (N, K) or (E, N, K): ``(data_fwd, scale_fwd, data_bwd,
+    scale_bwd)``, exactly ``mx_quantize`` of ``w`` along K (dim -1, scale (..., N, ceil(K/32)))
+    and along N (dim -2, scale (..., ceil(N/32), K))."""
     _check_weight(w, "w")
     data_fwd, scale_fwd = mx_quantize(w, -1, elem_dtype, scale_mode)
     data_bwd, scale_bwd = mx_quantize(w, -2, elem_dtype, scale_mode)
@@ -236,22 +190,12 @@ def mx_quantize_dual(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
 
 
 def mx_quantize_block(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
-    """One MX copy of a weight with one scale per 32x32 tile (the ``mxfp8-32x32`` recipe).
-
-    The tile's amax picks its scale by the same rules as ``mx_quantize``; tiles at the bottom/right
-    edges are partial (missing elements count as 0), and a NaN or Inf anywhere in a tile makes that
-    tile's scale 0xFF. Because every 1x32 block lies inside one tile, the same ``data`` serves the
-    forward (blocks along K) and the backward (blocks along N) matmul; ``expand_block_scale`` gives
-    the matching per-axis scales.
-
-    Args:
-        w: weight of shape (N, K) or (E, N, K), dtype bfloat16, float16 or float32.
-
-    Returns:
-        ``(data, block_scale)``: ``data`` has ``w``'s shape, dtype ``elem_dtype``;
-        ``block_scale`` is (..., ceil(N/32), ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
-        Both contiguous.
-    """
+    """One MX copy of a weight ``w`` (N, K) or (E, N, K) with one scale per 32x32 tile (the
+    ``mxfp8-32x32`` recipe): contiguous ``(data, block_scale)``, ``block_scale`` (...,
+    ceil(N/32), ceil(K/32)). The tile's amax picks its scale by ``mx_quantize``'s rules; edge
+    tiles are partial (missing elements count as 0); a NaN or Inf makes the tile's scale 0xFF.
+    Every 1x32 block lies inside one tile, so ``data`` serves the forward and the backward
+    matmul; ``expand_block_scale`` gives the matching per-axis scales."""
     _check_weight(w, "w")
     _check_elem_dtype(elem_dtype)
     _check_scale_mode(scale_mode)
@@ -302,15 +246,8 @@ def _master_as_param(master, param_dtype):
 def mx_quantize_from_master(
     master, dim=-1, param_dtype=torch.bfloat16, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"
 ):
-    """``mx_quantize`` of the parameter an FP32 master stands for: ``master.to(param_dtype)``.
-
-    Args:
-        master: float32, any rank >= 1.
-        param_dtype: ``torch.bfloat16`` or ``torch.float16``.
-
-    Returns:
-        ``mx_quantize(master.to(param_dtype), dim, elem_dtype, scale_mode)``.
-    """
+    """``mx_quantize(master.to(param_dtype), dim, elem_dtype, scale_mode)``: master float32,
+    any rank >= 1; param_dtype bf16 or fp16."""
     return mx_quantize(_master_as_param(master, param_dtype), dim, elem_dtype, scale_mode)
 
 
@@ -333,20 +270,11 @@ def mx_quantize_block_from_master(
 
 
 def expand_block_scale(block_scale, shape, dim):
-    """The per-axis scale that a 32x32 block scale stands for.
-
-    Args:
-        block_scale: (..., ceil(N/32), ceil(K/32)), dtype ``torch.float8_e8m0fnu``, from
-            ``mx_quantize_block`` of a weight of ``shape``.
-        shape: the weight's shape, (N, K) or (E, N, K).
-        dim: -1 for the forward scale (blocks along K): (..., N, ceil(K/32)), each tile row
-            repeated for its 32 rows (cut to N). -2 for the backward scale (blocks along N):
-            (..., ceil(N/32), K), each tile column repeated for its 32 columns (cut to K).
-            Non-negative spellings of the last two axes are accepted too.
-
-    Returns:
-        the scale, dtype ``torch.float8_e8m0fnu``, contiguous.
-    """
+    """The per-axis scale (contiguous ``torch.float8_e8m0fnu``) that ``block_scale`` (...,
+    ceil(N/32), ceil(K/32)), from ``mx_quantize_block`` of a weight of ``shape`` (N, K) or
+    (E, N, K), stands for. ``dim`` -1: the forward scale (..., N, ceil(K/32)), each tile row
+    repeated for its 32 rows (cut to N); -2: the backward scale (..., ceil(N/32), K), each tile
+    column repeated for its 32 columns (cut to K); non-negative spellings are accepted too."""
     shape = tuple(shape)
     if len(shape) not in (2, 3):
         raise ValueError(f"shape must be (N, K) or (E, N, K), found {shape}")
@@ -386,23 +314,12 @@ def mx_expand_block_scale(block_scale, n, k, dim):
 
 
 def mx_dequantize(data, scale, dim=-1, out_dtype=torch.bfloat16):
-    """Inverse of ``mx_quantize``: ``element * 2^(byte - 127)`` per block, cast to ``out_dtype``.
-
-    The product is formed exactly and rounded to float32 (it is exact in float32 for every fp8
-    element and every scale whose product is in float32 range, byte 0 = 2^-127 included; beyond the
-    range it overflows to +-Inf), then rounded to nearest even to ``out_dtype``. Scale byte 0xFF
-    makes the whole block NaN.
-
-    Args:
-        data: any rank >= 1, dtype ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any strides.
-        scale: ``data``'s shape with ``dim`` of size ``ceil(D / 32)``, dtype
-            ``torch.float8_e8m0fnu``, any strides.
-        dim: the axis the blocks run along.
-        out_dtype: bfloat16, float16 or float32.
-
-    Returns:
-        a contiguous tensor of ``data``'s shape and dtype ``out_dtype``.
-    """
+    """Inverse of ``mx_quantize``: ``element * 2^(byte - 127)`` per block along ``dim``, formed
+    exactly, rounded to float32 (exact for every product in float32 range, byte 0 = 2^-127
+    included; beyond it +-Inf), then to nearest even in ``out_dtype`` (bf16 / fp16 / fp32); a
+    0xFF scale makes its block NaN. ``data`` (fp8, any rank >= 1) and ``scale`` (``data``'s
+    shape with ``dim`` of size ``ceil(D / 32)``, E8M0) may have any strides; the result is
+    contiguous, of ``data``'s shape."""
     if not isinstance(data, torch.Tensor) or data.dtype not in ELEM_MAX:
         found = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
         raise TypeError(f"data must be a tensor of dtype in {tuple(ELEM_MAX)}, found {found}")
@@ -427,22 +344,11 @@ def mx_dequantize(data, scale, dim=-1, out_dtype=torch.bfloat16):
 
 
 def mx_matmul(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
-    """``a @ b.T`` of two MX operands, both blocked along their shared K axis.
-
-    Both operands are dequantized to float32 and multiplied with float32 accumulation; the result is
-    cast to ``out_dtype``. Either operand may be a strided view, e.g. the ``.t()`` of a tensor
-    blocked along its other axis together with the ``.t()`` of its scale.
-
-    Args:
-        a: (M, K), dtype ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        a_scale: (M, ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
-        b: (N, K), fp8 like ``a`` (the two may differ, e.g. e5m2 gradients times e4m3 weights).
-        b_scale: (N, ceil(K/32)), dtype ``torch.float8_e8m0fnu``.
-        out_dtype: bfloat16, float16 or float32.
-
-    Returns:
-        (M, N) of dtype ``out_dtype``.
-    """
+    """``a @ b.T`` (M, N) in ``out_dtype`` of two MX operands blocked along their shared K: ``a``
+    (M, K) and ``b`` (N, K), fp8 (the two formats may differ, e.g. e5m2 gradients times e4m3
+    weights), with E8M0 scales (M, ceil(K/32)) and (N, ceil(K/32)); both dequantized to float32
+    and multiplied with float32 accumulation. Either operand may be a strided view, e.g. the
+    ``.t()`` of a tensor blocked along its other axis with the ``.t()`` of its scale."""
     for name, operand in (("a", a), ("b", b)):
         if not isinstance(operand, torch.Tensor) or operand.dim() != 2:
             found = tuple(operand.shape) if isinstance(operand, torch.Tensor) else type(operand)
