@@ -1,22 +1,16 @@
 """Quantization recipes: which granularity each tensor of a layer is scaled at.
 
-The names follow the MindSpeed FSDP RFC ("为 FSDP 添加 MXFP8-32x32 量化支持") so that configs
-written for it read the same here. ``block_size`` is ``[token_dim, input_dim, output_dim]``:
+The names follow the MindSpeed FSDP RFC ("为 FSDP 添加 MXFP8-32x32 量化支持"). ``block_size`` is
+``[token_dim, input_dim, output_dim]``: ``[1, 1, 32]``, MX blocks of 32 along one axis (the
+``mxfp8`` recipe: a forward copy blocked along K, a backward copy along N), or ``[1, 32, 32]``,
+one scale per 32x32 weight tile (``mxfp8-32x32``: one copy serves forward and backward, so FSDP
+all-gathers it once). ``get_recipe(name)`` returns a recipe; ``@recipe_register(name)`` adds one
+from a zero-argument factory.
 
-* ``[1, 1, 32]`` -- MX blocks of 32 along one axis (the ``mxfp8`` recipe: a weight keeps a forward
-  copy blocked along K and a backward copy blocked along N).
-* ``[1, 32, 32]`` -- one scale per 32x32 weight tile (the ``mxfp8-32x32`` recipe: one weight copy
-  serves forward and backward, so FSDP all-gathers it once).
-
-``get_recipe("mxfp8")`` / ``get_recipe("mxfp8-32x32")`` return the built-in recipes;
-``@recipe_register(name)`` adds one from a zero-argument factory.
-
-Both built-in recipes round the shared scale up (``scale_mode="rceil"``: the block's largest value
-always fits, nothing saturates), as NVIDIA's MXFP8 pre-training recipe (arXiv 2506.08027),
-Transformer Engine and torchao's MX configs do; in zrw's own multi-seed accuracy runs both
-rules learn as BF16 does, and the OCP rule clips ~1% of every tensor's elements
-(docs/accuracy.md). The OCP rule is one argument away: ``get_recipe(name, scale_mode="floor")``.
-The ops (zrw.ops, zrw.reference) keep the OCP rule "floor" as their default argument.
+Both built-in recipes round the shared scale up (``scale_mode="rceil"``: nothing saturates),
+for the reasons of docs/design.md §3 "Defaults" and docs/accuracy.md; the OCP rule is
+``get_recipe(name, scale_mode="floor")``. The ops (zrw.ops, zrw.reference) keep "floor" as
+their default argument.
 """
 
 import dataclasses
@@ -66,9 +60,7 @@ class ScalingGranularity:
 
     def __post_init__(self):
         if not isinstance(self.stype, ScalingGranularityEnum):
-            allowed = ", ".join(
-                f"ScalingGranularityEnum.{member.name}" for member in ScalingGranularityEnum
-            )
+            allowed = ", ".join(f"ScalingGranularityEnum.{m.name}" for m in ScalingGranularityEnum)
             raise ValueError(
                 f"ScalingGranularity: stype must be one of {allowed}, found {self.stype!r}"
             )
@@ -93,14 +85,11 @@ def _checked_mx_block_size(block_size):
 
 @dataclass(frozen=True)
 class QuantRecipe:
-    """How a layer quantizes its weight, its input activation and its output gradient.
-
-    ``elem_dtype`` is the fp8 element format (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) and
-    ``scale_mode`` the MX scale rule (``"rceil"``, the default, or ``"floor"``; see
-    ``zrw.reference`` for the rules and the module docstring for the default). Only weights
-    may use 32x32 tiles: activations and gradients are quantized per 1x32 block along the axis
-    each matmul reduces over.
-    """
+    """How a layer quantizes its weight, its input activation and its output gradient:
+    ``elem_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) and the MX scale rule
+    ``scale_mode`` (``"rceil"``, the default, or ``"floor"``). Only weights may use 32x32 tiles:
+    activations and gradients are quantized per 1x32 block along the axis each matmul reduces
+    over."""
 
     name: str
     weight_granularity: ScalingGranularity
@@ -221,20 +210,10 @@ def _mx(block_size):
 @recipe_register("mxfp8")
 def register_mxfp8_recipe() -> QuantRecipe:
     """Weights, activations and gradients all in 1x32 MX blocks (a weight keeps two copies)."""
-    return QuantRecipe(
-        name="mxfp8",
-        weight_granularity=_mx(MX_BLOCK_1x32),
-        act_granularity=_mx(MX_BLOCK_1x32),
-        grad_granularity=_mx(MX_BLOCK_1x32),
-    )
+    return QuantRecipe("mxfp8", _mx(MX_BLOCK_1x32), _mx(MX_BLOCK_1x32), _mx(MX_BLOCK_1x32))
 
 
 @recipe_register("mxfp8-32x32")
 def register_mxfp8_32x32_recipe() -> QuantRecipe:
     """Weights in 32x32 tiles (one copy, all-gathered once); activations and gradients in 1x32."""
-    return QuantRecipe(
-        name="mxfp8-32x32",
-        weight_granularity=_mx(MX_BLOCK_32x32),
-        act_granularity=_mx(MX_BLOCK_1x32),
-        grad_granularity=_mx(MX_BLOCK_1x32),
-    )
+    return QuantRecipe("mxfp8-32x32", _mx(MX_BLOCK_32x32), _mx(MX_BLOCK_1x32), _mx(MX_BLOCK_1x32))
