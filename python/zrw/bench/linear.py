@@ -48,7 +48,6 @@ from zrw import cache, ops, testing
 from zrw.bench._timing import best_of, best_of_interleaved, print_table, recording, stamp
 from zrw.demo import DemoConfig, build_model, make_batches
 from zrw.nn import MXLinear, functional
-from zrw.nn.linear import cache_recipe
 from zrw.optim import MasterWeights, attach
 
 RECIPES = ("mxfp8", "mxfp8-32x32")
@@ -136,7 +135,7 @@ def run_shape(m: int, n: int, k: int, recipes=RECIPES, repeat: int = 3) -> dict:
     }
 
     for recipe in recipes:
-        cr = cache_recipe(zrw.get_recipe(recipe))
+        cr = zrw.get_recipe(recipe).cache_layout
         w = _param(n, k, seed=1)
         w0 = w.detach().clone()
         kernel = ops.mx_quantize_dual if cr == "mxfp8" else ops.mx_quantize_block

@@ -16,10 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from .._dtensor import engine_view_owner
-from ..config import QuantRecipe, get_recipe
+from ..config import QuantRecipe
 from ..state_dict import NamedWeight, ReleasedWeightsStateDict, restamp_names
 from ..weights import WeightPolicy
-from .functional import checked_counts, grouped_linear, mx_grouped_linear  # noqa: F401
+from .functional import grouped_linear, mx_grouped_linear  # noqa: F401  (zrw.nn.mx_grouped_linear)
 from .linear import check_layer_init
 
 
@@ -53,9 +53,7 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         )
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self.recipe = rcp
-        self.release = release
-        self.release_frozen = release_frozen
-        self.main_grad = main_grad
+        self.release, self.release_frozen, self.main_grad = release, release_frozen, main_grad
         self.zrw_name = "MXGroupedLinear.weight"
 
     @property
@@ -70,15 +68,8 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
 def is_fused_experts(module: nn.Module) -> bool:
     """Hugging Face's fused-experts layout: 3-D `gate_up_proj` (E, 2I, H) and `down_proj`
     (E, H, I) parameters, an `act_fn`, and forward(hidden, top_k_index, top_k_weights)."""
-    gu = module._parameters.get("gate_up_proj")
-    dp = module._parameters.get("down_proj")
-    return (
-        gu is not None
-        and dp is not None
-        and gu.dim() == 3
-        and dp.dim() == 3
-        and hasattr(module, "act_fn")
-    )
+    stacks = [module._parameters.get(n) for n in ("gate_up_proj", "down_proj")]
+    return all(p is not None and p.dim() == 3 for p in stacks) and hasattr(module, "act_fn")
 
 
 class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
@@ -117,9 +108,8 @@ class MXFusedExperts(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         self.down_proj = source.down_proj
         self.act_fn = source.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
-        self.recipe = get_recipe(recipe)
-        self.release, self.release_frozen = release, release_frozen
-        self.main_grad = main_grad
+        self.recipe = recipe
+        self.release, self.release_frozen, self.main_grad = release, release_frozen, main_grad
         # Each expert stack carries its name (see NamedWeight: read outside compiled regions).
         self.zrw_name = name
         restamp_names(self, self._weight_names())

@@ -10,9 +10,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..config import QuantRecipe, get_recipe
-from ..state_dict import NamedWeight, ReleasedWeightsStateDict, restamp_names  # noqa: F401
+from ..state_dict import NamedWeight, ReleasedWeightsStateDict
 from ..weights import WeightPolicy
-from .functional import INPUT_DTYPES, apply_mx_linear, check_layer_args, linear, mx_linear  # noqa: F401,E501
+from .functional import linear, mx_linear  # noqa: F401  (zrw.nn.mx_linear)
 
 
 def check_layer_init(op: str, sizes: dict, flags: dict, recipe) -> QuantRecipe:
@@ -36,11 +36,6 @@ def check_layer_init(op: str, sizes: dict, flags: dict, recipe) -> QuantRecipe:
         return get_recipe(recipe)
     except ValueError as e:
         raise ValueError(f"{op}: recipe: {e}") from None
-
-
-def cache_recipe(recipe: QuantRecipe) -> str:
-    """The native cache's weight layout for a recipe (QuantRecipe.cache_layout)."""
-    return recipe.cache_layout
 
 
 class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
@@ -69,22 +64,12 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         device=None,
         dtype=None,
     ):
-        rcp = check_layer_init(
-            "zrw.nn.linear.MXLinear",
-            {"in_features": in_features, "out_features": out_features},
-            {
-                "bias": bias,
-                "release": release,
-                "release_frozen": release_frozen,
-                "main_grad": main_grad,
-            },
-            recipe,
-        )
+        flags = {"release": release, "release_frozen": release_frozen, "main_grad": main_grad}
+        sizes = {"in_features": in_features, "out_features": out_features}
+        rcp = check_layer_init("zrw.nn.linear.MXLinear", sizes, {"bias": bias, **flags}, recipe)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = rcp
-        self.release = release
-        self.release_frozen = release_frozen
-        self.main_grad = main_grad
+        self.release, self.release_frozen, self.main_grad = release, release_frozen, main_grad
         self.zrw_name = "MXLinear.weight"
 
     @classmethod
@@ -110,7 +95,7 @@ class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.weight = linear.weight
         m.bias = linear.bias
-        m.recipe = get_recipe(recipe)
+        m.recipe = recipe
         m.release, m.release_frozen, m.main_grad = release, release_frozen, main_grad
         m.zrw_name = name or "MXLinear.weight"
         # Hooks and training flag carry over, so the swap is invisible to the rest of the model.
