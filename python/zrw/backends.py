@@ -19,16 +19,8 @@ from . import _C
 
 __all__ = ["MX_OPS", "NPU_OPERATORS", "backends"]
 
-MX_OPS = (
-    "mx_quantize",
-    "mx_quantize_dual",
-    "mx_quantize_block",
-    "mx_quantize_from_master",
-    "mx_quantize_dual_from_master",
-    "mx_quantize_block_from_master",
-    "mx_dequantize",
-    "mx_matmul",
-)
+_QUANTIZE = ("mx_quantize", "mx_quantize_dual", "mx_quantize_block")
+MX_OPS = (*_QUANTIZE, *(f"{op}_from_master" for op in _QUANTIZE), "mx_dequantize", "mx_matmul")
 
 # torch_npu's operators that the NPU adapter calls, with the zrw ops that call them: npu:: operators
 # of torch_npu 2.13.0, the release for torch 2.13 (tests/npu/test_real_torch_npu.py checks each
@@ -46,11 +38,8 @@ NPU_OPERATORS = {
 
 
 def _kernels(dispatch_key):
-    return [
-        op
-        for op in MX_OPS
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"zrw::{op}", dispatch_key)
-    ]
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [op for op in MX_OPS if has(f"zrw::{op}", dispatch_key)]
 
 
 def _npu_operator_available(name):
@@ -70,17 +59,12 @@ def _torch_npu():
 
 
 def backends():
-    """Which backends and kernels are available.
-
-    Returns:
-        a dict with one entry per backend (``"cpu"``, ``"cuda"``, ``"npu"``), each a dict with
-        ``available`` (bool: zrw's MX ops can run on that device in this process) and ``kernels``
-        (the zrw MX ops with a kernel for that device in this build), plus:
-        ``cpu["isa"]``, ``cpu["gemm"]`` (mx_matmul's inner GEMM: "bf16" where the CPU has native
-        BF16 dot products, else "fp32"; ZRW_CPU_GEMM forces one) and ``cpu["native_bf16"]``;
-        ``npu["torch_npu"]`` (its version if imported, else None),
-        and ``npu["operators"]`` ({torch_npu operator: available for the NPU}).
-    """
+    """Which backends and kernels are available: one dict per backend ("cpu", "cuda", "npu")
+    with ``available`` (zrw's MX ops can run on that device in this process) and ``kernels``
+    (the MX ops with a kernel for it in this build), plus ``cpu["isa"]``, ``cpu["gemm"]``
+    (mx_matmul's inner GEMM: "bf16" where the CPU has native BF16 dot products, else "fp32";
+    ZRW_CPU_GEMM forces one), ``cpu["native_bf16"]``, ``npu["torch_npu"]`` (its version if
+    imported, else None) and ``npu["operators"]`` ({torch_npu operator: available})."""
     npu_kernels = _kernels("PrivateUse1")
     operators = {name: _npu_operator_available(name) for name in NPU_OPERATORS}
     return {

@@ -1,11 +1,10 @@
 """Live and peak CPU memory, measured by zrw's counting allocator (docs/design.md §9).
 
-`install()` wraps c10's CPU allocator (c10::SetCPUAllocator), so every CPU tensor allocated
-afterwards is counted: `current()` live bytes, `peak()` since install or the last `reset_peak()`,
-like torch.cuda.memory_allocated / max_memory_allocated. Install it before the model is built:
-blocks allocated earlier are invisible to it, and so are their frees. RSS is too coarse for this
-and the CPU profiler does not see frees of earlier blocks either. Fault injection on this
-allocator (failing allocations on demand) is a test instrument: zrw.testing.fail_allocations.
+`install()` wraps c10's CPU allocator, so every CPU tensor allocated afterwards is counted:
+`current()` live bytes, `peak()` since install or the last `reset_peak()`, like
+torch.cuda.memory_allocated / max_memory_allocated. Install it before the model is built:
+blocks allocated earlier are invisible to it, and so are their frees. Fault injection on this
+allocator is a test instrument: zrw.testing.fail_allocations.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ def reset_peak() -> None:
 @contextlib.contextmanager
 def window() -> Iterator[dict]:
     """Measure a region: yields a dict that gets start, end and peak bytes when the block exits."""
-    _require()
-    reset_peak()
+    reset_peak()  # (refuses without the counting allocator)
     out = {"start": current()}
     try:
         yield out
