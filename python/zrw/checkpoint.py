@@ -1,22 +1,11 @@
 """Saving a model whose weights are released, one tensor at a time.
 
 `model.state_dict()` materializes every released weight from its FP32 master (exact BF16) and
-holds them all; the calls here never hold more than one materialized weight:
-
-  iter_state_dict(model)          (name, tensor) pairs of model.state_dict(), made in turn
-  save_safetensors(model, path)   a .safetensors file (for from_pretrained too), tensor by tensor
-  materialize(p, master)          one released weight's exact value (bf16 of its master)
-
-The training grid exported (zrw.mx_export, docs/export.md): each converted weight's forward
-MXFP8 plane, byte for byte, as torchao's MXTensor, the rest of the state dict as it is:
-
-  export_mx(model, path=None)     the state dict with MXTensor weights, or a safetensors file
-  iter_mx_state_dict(model)       its (name, tensor) pairs, one MX weight copied at a time
-  load_mx(model, path)            such a file into an unconverted model of the architecture
-  save_mx_pretrained(model, dir)  a directory transformers' from_pretrained loads (TorchAoConfig)
-
-Between BF16-free steps (zrw.optim.MasterWeights, the default) the weights stay released: a save
-allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
+holds them all; `iter_state_dict` and `save_safetensors` never hold more than one (`materialize`
+makes one released weight's exact value). Between BF16-free steps the weights stay released: a
+save allocates one weight's BF16 bytes at a time, and nothing is restored or re-quantized.
+The training grid exported as torchao MX tensors (`export_mx`, `iter_mx_state_dict`, `load_mx`,
+`save_mx_pretrained`; docs/export.md) is zrw.mx_export's, public here.
 """
 
 from __future__ import annotations

@@ -146,10 +146,8 @@ _RECIPE_FACTORIES: dict[str, Callable[[], QuantRecipe]] = {}
 
 
 def recipe_register(name: str):
-    """Decorator registering a zero-argument factory returning the ``QuantRecipe`` named ``name``.
-
-    Raises ValueError if ``name`` is already registered.
-    """
+    """Decorator registering a zero-argument factory returning the ``QuantRecipe`` named ``name``
+    (ValueError if ``name`` is already registered)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"recipe_register: name must be a non-empty str, found {name!r}")
     if name in _RECIPE_FACTORIES:

@@ -241,20 +241,15 @@ def export_mx(
     kernel: str = "emulated",
     experts: str = "refuse",
 ) -> Optional[Dict[str, Tensor]]:
-    """Export the training grid: each converted weight's forward MXFP8 plane as torchao's
-    MX inference tensor (MXTensor), every other entry of the state dict as it is (BF16).
-
-    The codes and scales are byte for byte the forward plane zrw computes with: the cached
-    copy where the cache holds one, else the one the next forward makes, with zrw's own op and
-    scale rule (from the FP32 master after a BF16-free step, never from a rounded BF16 copy).
-    Nothing in the cache changes. Activations are quantized by torchao at serving time with
-    the recipe's element dtype and scale rule; `kernel` is torchao's KernelPreference:
-    "emulated" (any device) or "auto" (torchao's MX GEMM, a CUDA GPU that has one).
-
-    path None: returns the state dict (name -> MXTensor or tensor). Else writes a safetensors
-    file in torchao's format (as `torchao.prototype.safetensors` and transformers' torchao
-    loader read it), one tensor at a time as save_safetensors does, and returns None. Every
-    check runs before anything is quantized or the file is opened."""
+    """Export the training grid: each converted weight's forward MXFP8 plane as torchao's MX
+    inference tensor (MXTensor), byte for byte the plane zrw computes with (the cached copy,
+    else the one the next forward makes with zrw's own op: from the FP32 master after a
+    BF16-free step, never from a rounded BF16 copy), every other entry of the state dict as it
+    is. Nothing in the cache changes. `kernel` is torchao's KernelPreference for serving:
+    "emulated" (any device) or "auto" (torchao's MX GEMM, a CUDA GPU that has one). path None:
+    returns the state dict; else writes a safetensors file in torchao's format, one tensor at a
+    time, and returns None. Every check runs before anything is quantized or the file is
+    opened."""
     op = "zrw.checkpoint.export_mx"
     _choice(op, "kernel", kernel)
     if path is not None:
@@ -318,12 +313,8 @@ def load_mx(model: torch.nn.Module, path: "str | os.PathLike") -> torch.nn.Modul
     """Load a file written by `export_mx(model, path)` into `model`, an unconverted model of
     the same architecture: each exported weight becomes an `nn.Parameter(MXTensor,
     requires_grad=False)` (nn.Linear runs it through torchao's MX linear), every other entry is
-    loaded as it was saved. Returns `model` (a `torch.compile` wrapper: the wrapper, its model
-    loaded).
-
-    All or nothing, as a converted model's `load_state_dict`: every entry of the file is
-    checked against the model first (each MX weight names a parameter of its shape, each other
-    entry a parameter or buffer of its shape, and every entry of the model is in the file);
+    loaded as saved. Returns `model` (a `torch.compile` wrapper: the wrapper). All or nothing:
+    every entry of the file is checked against the model first (names, shapes, none missing);
     where any does not match, the error names each mismatch and nothing was written."""
     op = "zrw.checkpoint.load_mx"
     given = model
@@ -418,14 +409,11 @@ def save_mx_pretrained(
     """Write a Hugging Face model directory that `from_pretrained` loads as torchao's MX
     inference model: `config.json` with `quantization_config` = TorchAoConfig(
     MXDynamicActivationMXWeightConfig(...)) (the recipe's element dtype and scale rule,
-    `kernel`), `generation_config.json` where the model has one, and `model.safetensors`
-    written as by `export_mx`. `model` is a converted transformers model (or a `torch.compile`
-    wrapper of one); its own config is left unchanged.
-
-    All or nothing: every check runs before anything is created, and the files are written
-    into a temporary directory that takes `save_directory`'s place (or whose files replace
-    those of an existing `save_directory`) only once all of them are complete, so a refused or
-    failed call creates no directory and leaves no file behind."""
+    `kernel`), `generation_config.json` where the model has one, and `model.safetensors` as
+    `export_mx` writes it. `model` is a converted transformers model (or a `torch.compile`
+    wrapper of one); its own config is left unchanged. All or nothing: every check runs first,
+    and the files go to a temporary directory that takes `save_directory`'s place (or whose
+    files replace its files) once all are complete: a refused or failed call leaves nothing."""
     op = "zrw.checkpoint.save_mx_pretrained"
     _choice(op, "kernel", kernel)
     model = checked_model(op, model)

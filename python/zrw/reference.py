@@ -36,8 +36,7 @@ _E8M0_VALUE_BY_BYTE = torch.tensor(
 )
 
 
-# ------------------------------------------------------------------------------------------------
-# argument checks
+# ---- argument checks -----------------------------------------------------------------------------
 
 
 def _check_input(x, name):
@@ -84,8 +83,7 @@ def _num_blocks(length):
     return -(-length // BLOCK)
 
 
-# ------------------------------------------------------------------------------------------------
-# the two rules everything else is built from
+# ---- the two rules everything else is built from -------------------------------------------------
 
 
 def _scale_exponent(amax, has_nonfinite, elem_dtype, scale_mode):
@@ -123,15 +121,11 @@ def _scale_exponent(amax, has_nonfinite, elem_dtype, scale_mode):
     return exponent, scale_byte
 
 
-def _pow2(exponent):
-    """Exact 2^exponent in float64 for an int64 tensor of exponents in [-127, 127]."""
-    return _E8M0_VALUE_BY_BYTE[exponent + E8M0_BIAS]
-
-
 def _to_elements(values, exponent, has_nonfinite, elem_dtype):
     """Round ``values / 2^exponent`` (float64, broadcast) to ``elem_dtype``: RNE, saturating."""
     max_elem = ELEM_MAX[elem_dtype]
-    scaled = values / _pow2(exponent)  # exact: a power-of-two rescale of a <=24-bit significand
+    # Exact: a power-of-two rescale of a <=24-bit significand (2^e by its E8M0 byte, e + 127).
+    scaled = values / _e8m0_value(exponent + E8M0_BIAS)
     scaled = torch.where(has_nonfinite, torch.full_like(scaled, math.nan), scaled)
     # Clamp before the cast: torch's e5m2 cast overflows to Inf instead of saturating. Clamping
     # first gives the same bytes as rounding and then saturating, as the max is representable.
@@ -148,8 +142,7 @@ def _e8m0_value(scale_byte):
     return _E8M0_VALUE_BY_BYTE[scale_byte.to(torch.int64)]
 
 
-# ------------------------------------------------------------------------------------------------
-# quantization
+# ---- quantization --------------------------------------------------------------------------------
 
 
 def mx_quantize(x, dim=-1, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
@@ -221,8 +214,7 @@ def mx_quantize_block(w, elem_dtype=torch.float8_e4m3fn, scale_mode="floor"):
     return data, block_scale
 
 
-# ------------------------------------------------------------------------------------------------
-# quantization from an FP32 master
+# ---- quantization from an FP32 master ------------------------------------------------------------
 
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16)
@@ -309,8 +301,7 @@ def mx_expand_block_scale(block_scale, n, k, dim):
     return expand_block_scale(block_scale, (*block_scale.shape[:-2], n, k), dim)
 
 
-# ------------------------------------------------------------------------------------------------
-# dequantization and matmul
+# ---- dequantization and matmul -------------------------------------------------------------------
 
 
 def mx_dequantize(data, scale, dim=-1, out_dtype=torch.bfloat16):

@@ -160,10 +160,6 @@ def process_quant_result_fn(
     w = weight.detach()
     if recipe.block_32x32:
         data, block = ops.mx_quantize_block(w.contiguous(), dst_type, recipe.scale_mode)
-        return (
-            data,
-            ops.expand_block_scale(block, w.shape, -1),
-            data,
-            ops.expand_block_scale(block, w.shape, -2),
-        )
+        fwd, bwd = (ops.expand_block_scale(block, w.shape, d) for d in (-1, -2))
+        return data, fwd, data, bwd
     return tuple(ops.mx_quantize_dual(w.contiguous(), dst_type, recipe.scale_mode))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -288,17 +289,10 @@ class NumericsTelemetry:
         if self._handles:
             return self
         for layer in self._layers:
-            self._handles.append(
-                layer.module.register_forward_pre_hook(
-                    lambda m, args, layer=layer: self._pre_forward(layer, args)
-                )
-            )
+            m = layer.module
+            self._handles.append(m.register_forward_pre_hook(partial(self._pre_forward, layer)))
             if layer.linear and "gradient" in self.tensors:
-                self._handles.append(
-                    layer.module.register_forward_hook(
-                        lambda m, args, out, layer=layer: self._post_forward(layer, out)
-                    )
-                )
+                self._handles.append(m.register_forward_hook(partial(self._post_forward, layer)))
         return self
 
     def stop(self) -> None:
@@ -327,7 +321,7 @@ class NumericsTelemetry:
 
     @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
     @torch.no_grad()
-    def _pre_forward(self, layer: _Layer, args) -> None:
+    def _pre_forward(self, layer: _Layer, module, args) -> None:
         step = cache.cache_stats()["step"]
         if layer.weight_step != step and ({"weight", "weight_bwd"} & set(self.tensors)):
             layer.weight_step = step
@@ -342,7 +336,7 @@ class NumericsTelemetry:
             self._measure(layer, "activation", args[0], -1)
 
     @torch._dynamo.disable(reason="zrw.telemetry reads tensor values: its hooks run eagerly")
-    def _post_forward(self, layer: _Layer, out) -> None:
+    def _post_forward(self, layer: _Layer, module, args, out) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
 
             @torch.no_grad()

@@ -33,14 +33,12 @@ class ConvertSummary:
     skipped: Dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [
+        head = (
             f"zrw.convert ({self.recipe}): {len(self.converted)} modules converted, "
             f"{self.parameters} weights, {self.release_bytes / 2**20:.2f} MiB of BF16 "
             f"weights released per step"
-        ]
-        for name, why in self.skipped.items():
-            lines.append(f"  kept {name}: {why}")
-        return "\n".join(lines)
+        )
+        return "\n".join([head] + [f"  kept {n}: {why}" for n, why in self.skipped.items()])
 
 
 def _owners(model: nn.Module) -> Dict[int, List[str]]:
@@ -163,14 +161,11 @@ def convert(
                     "converted, never released: tied weight shared with "
                     + ", ".join(tied[id(shared[0])])
                 )
+            args = (child, rcp, layer_release, release_frozen)
             if is_linear:
-                new = MXLinear.from_linear(
-                    child, rcp, layer_release, release_frozen, main_grad, name=f"{name}.weight"
-                )
+                new = MXLinear.from_linear(*args, main_grad, name=f"{name}.weight")
             else:
-                new = MXFusedExperts(
-                    child, rcp, layer_release, release_frozen, name=name, main_grad=main_grad
-                )
+                new = MXFusedExperts(*args, name=name, main_grad=main_grad)
             setattr(parent, cname, new)
             summary.converted.append(name)
             for pname, w in weights:

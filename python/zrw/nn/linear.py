@@ -1,9 +1,5 @@
-"""MXLinear: nn.Linear whose GEMMs run on MXFP8 operands, with the weight from the native cache.
-
-The GEMMs and their autograd function are zrw.nn.functional's (`mx_linear`); the state-dict,
-pickling, load and cast behaviour of a layer whose weight may be released is
-zrw.state_dict's `ReleasedWeightsStateDict`. This module is the layer class.
-"""
+"""MXLinear: nn.Linear whose GEMMs run on MXFP8 operands, with the weight from the native cache
+(the GEMMs: zrw.nn.functional; state dicts, pickling, loads and casts: zrw.state_dict)."""
 
 from __future__ import annotations
 
