@@ -36,10 +36,10 @@ def _check_devices(op: str, **tensors) -> None:
             )
 
 
-def _check_float_input(op: str, arg: str, x) -> None:
-    if x.dtype not in _FLOAT_IN:
+def _check_float(op: str, arg: str, dtype) -> None:
+    if dtype not in _FLOAT_IN:
         raise TypeError(
-            f"{op}: {arg} must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}"
+            f"{op}: {arg} must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}"
         )
 
 
@@ -54,13 +54,6 @@ def _check_mode(op: str, mode: str) -> None:
     if mode not in SCALE_MODES:
         names = " or ".join(f'"{m}"' for m in SCALE_MODES)
         raise ValueError(f'{op}: scale_mode must be {names}, got "{mode}"')
-
-
-def _check_out_dtype(op: str, dtype) -> None:
-    if dtype not in _FLOAT_IN:
-        raise TypeError(
-            f"{op}: out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}"
-        )
 
 
 def _check_scale(op: str, arg: str, s) -> None:
@@ -99,7 +92,7 @@ def _check_quantize(op, x, weight, elem_dtype, scale_mode, param_dtype=None) -> 
     """The checks of the quantize ops, in the kernels' order: the input (an FP32 master where
     `param_dtype` is given), a weight's rank, param_dtype, elem_dtype, scale_mode."""
     if param_dtype is None:
-        _check_float_input(op, "w" if weight else "x", x)
+        _check_float(op, "w" if weight else "x", x.dtype)
     elif x.dtype != torch.float32:
         raise TypeError(
             f"{op}: master must be torch.float32 (the FP32 master weight), got {x.dtype}"
@@ -180,7 +173,7 @@ def _(data, scale, dim, out_dtype):
     _check_devices(op, data=data, scale=scale)
     _check_elem(op, "data", data.dtype)
     _check_scale(op, "scale", scale)
-    _check_out_dtype(op, out_dtype)
+    _check_float(op, "out_dtype", out_dtype)
     d = _wrap(op, "data", dim, data.dim())
     _check_scale_matches(op, "data", "scale", data, scale, d)
     return data.new_empty(data.shape, dtype=out_dtype)
@@ -194,7 +187,7 @@ def _(a, a_scale, b, b_scale, out_dtype):
     _check_elem(op, "b", b.dtype)
     _check_scale(op, "a_scale", a_scale)
     _check_scale(op, "b_scale", b_scale)
-    _check_out_dtype(op, out_dtype)
+    _check_float(op, "out_dtype", out_dtype)
     if a.dim() != 2:
         raise ValueError(f"{op}: a must be 2-d (M, K), got shape {list(a.shape)}")
     if b.dim() != 2:

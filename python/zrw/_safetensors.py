@@ -1,7 +1,5 @@
 """What zrw.checkpoint and zrw.mx_export share: the state dict entry by entry (a released
-weight as itself until its turn, then its exact value) and the safetensors file writer (checked
-before the file is opened, written tensor by tensor into a temporary file that replaces the
-target whole)."""
+weight as itself until its turn, then its exact value) and the safetensors file writer."""
 
 from __future__ import annotations
 

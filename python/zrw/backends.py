@@ -1,14 +1,10 @@
 """Which backends and kernels this build of zrw has, and which can run in this process.
 
 ``zrw.backends()`` answers from the dispatcher and the installed modules, never from whether a
-device is visible (docs/design.md §2):
-
-* ``cpu``: always built; the reference backend. ``isa`` is the instruction set of the CPU
-  quantization kernel in use (``zrw._C.cpu_isa()``).
-* ``cuda``: no CUDA kernels exist yet; listed so that the answer has the same keys everywhere.
-* ``npu``: the adapter (PrivateUse1 kernels that call torch_npu's MX operators, csrc/npu) is built
-  into ``zrw._C`` on every machine; it can run only where torch_npu provides those operators for
-  the NPU, which ``operators`` reports one by one. zrw has no native Ascend C kernels.
+device is visible (docs/design.md §2): ``cpu`` is always built (the reference backend); ``cuda``
+has no kernels yet (listed so that the answer has the same keys everywhere); ``npu``'s adapter
+(PrivateUse1 kernels over torch_npu's MX operators, csrc/npu) is built into ``zrw._C`` on every
+machine and runs only where torch_npu provides those operators, which ``operators`` reports.
 """
 
 import sys

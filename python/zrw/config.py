@@ -49,11 +49,8 @@ class ScalingGranularityEnum(enum.Enum):
 
 @dataclass
 class ScalingGranularity:
-    """A scaling granularity: ``stype``, and for ``MX`` the ``block_size`` (see the module doc).
-
-    ``block_size`` may be given as a list or a tuple and is stored as a tuple; it must be
-    ``[1, 1, 32]`` or ``[1, 32, 32]``.
-    """
+    """A scaling granularity: ``stype``, and for ``MX`` the ``block_size``, ``[1, 1, 32]`` or
+    ``[1, 32, 32]`` (see the module doc), given as a list or a tuple and stored as a tuple."""
 
     stype: ScalingGranularityEnum
     block_size: tuple[int, ...] | list[int] | None = None

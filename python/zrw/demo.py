@@ -86,21 +86,14 @@ def build_model(kind: str, c: DemoConfig) -> torch.nn.Module:
         head_dim=32,
         max_position_embeddings=max(256, c.seq),
         tie_word_embeddings=False,
+        intermediate_size=3 * c.hidden,
     )
     if kind == "dense":
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=3 * c.hidden, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "moe":
-        model = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                intermediate_size=3 * c.hidden,
-                moe_intermediate_size=c.hidden,
-                num_experts=c.experts,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                norm_topk_prob=True,
-                **common,
-            )
-        )
+        moe = dict(num_experts=c.experts, num_experts_per_tok=2, decoder_sparse_step=1)
+        cfg = Qwen3MoeConfig(**common, **moe, moe_intermediate_size=c.hidden, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(f"zrw.demo: model must be 'dense' or 'moe', got {kind!r}")
     return model.to(torch.bfloat16)

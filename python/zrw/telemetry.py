@@ -30,9 +30,7 @@ Nothing changes what the model computes: the hooks read tensors and return nothi
 the block there are none (zero cost when off); inside it each measured tensor costs one extra
 quantize and dequantize. The hooks run eagerly: a `torch.compile(model)` wrapper is measured as
 the model it wraps, with a graph break at each measured layer while the block is open.
-Arguments are checked when the collector is made: `tensors`, `layers` and `scale_modes` take
-one str or an iterable of str, never a str's characters, and a `layers` name part that matches
-no measured layer is refused.
+Arguments are checked when the collector is made (a str is one name, never its characters).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """MoE experts on MXFP8: a grouped linear over a 3-D expert stack (E, N, K), and a drop-in
-replacement for Hugging Face transformers' fused expert modules (e.g. Qwen3MoeExperts, whose
-`gate_up_proj` is (E, 2I, H) and `down_proj` (E, H, I)).
-
-Tokens are grouped by expert; each expert's group goes through exactly MXLinear's numerics
-(zrw.nn.functional): x blocked along K for the forward, dy along N for dgrad, both along the
-group's tokens for wgrad. The whole stack is quantized once per step by quant_and_release (a 3-D
-weight is quantized per matrix), so each expert's planes are slices of one cached copy.
+replacement for Hugging Face's fused expert modules (e.g. Qwen3MoeExperts). Each expert's token
+group goes through exactly MXLinear's numerics (zrw.nn.functional); the whole stack is quantized
+once per step (per matrix), so each expert's planes are slices of one cached copy.
 """
 
 from __future__ import annotations
@@ -41,12 +37,9 @@ class MXGroupedLinear(NamedWeight, ReleasedWeightsStateDict, nn.Module):
         release_frozen: bool = False,
         main_grad: bool = False,
     ):
-        rcp = check_layer_init(
-            "zrw.nn.grouped.MXGroupedLinear",
-            {"num_experts": num_experts, "in_features": in_features, "out_features": out_features},
-            {"release": release, "release_frozen": release_frozen, "main_grad": main_grad},
-            recipe,
-        )
+        sizes = dict(num_experts=num_experts, in_features=in_features, out_features=out_features)
+        flags = dict(release=release, release_frozen=release_frozen, main_grad=main_grad)
+        rcp = check_layer_init("zrw.nn.grouped.MXGroupedLinear", sizes, flags, recipe)
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype)

@@ -35,14 +35,11 @@ def check_layer_init(op: str, sizes: dict, flags: dict, recipe) -> QuantRecipe:
 
 
 class MXLinear(NamedWeight, ReleasedWeightsStateDict, nn.Linear):
-    """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights.
-
-    The weight (and bias) are ordinary parameters — same objects, same state_dict keys — but the
-    forward and backward GEMMs read the cached MXFP8 copy of the weight, and with release=True
-    the BF16 weight's storage is freed from the first forward of a step until the optimizer
-    boundary (zrw.optim.attach) restores it. `main_grad=True` accumulates the weight gradient in
-    FP32 into `weight.main_grad` instead of `.grad` (as Megatron does).
-    """
+    """Drop-in nn.Linear training on MXFP8 with zero-redundancy weights: the weight (and bias)
+    are ordinary parameters (same objects, same state_dict keys), the GEMMs read the weight's
+    cached MXFP8 copy, and with release=True the BF16 weight's storage is freed from its first
+    use in a step (docs/design.md §5). `main_grad=True` accumulates the weight gradient in FP32
+    into `weight.main_grad` instead of `.grad` (as Megatron does)."""
 
     # What this layer quantizes, with `self.recipe` (read by zrw.fsdp.prepare): these parameters
     # may be replaced by a zrw.planes.MXPlanesCarrier (FSDP2's gathered weight).
