@@ -19,7 +19,7 @@ from zrw import cache, ops, reference
 # needs a reason. Everything else must have a reference.
 _CACHE = (
     "stateful: the native weight cache (a process-wide table, storage release and "
-    "restore); its behaviour is a sequence of effects, tested in tests/test_cache.py"
+    "restore); its behaviour is a sequence of effects, tested in tests/cache/"
 )
 STATEFUL_NO_REFERENCE: dict = {
     "quant_and_release": _CACHE,
