@@ -138,10 +138,9 @@ def temporary_name() -> str:
 
 
 def write_file(path: str, metadata: Dict[str, str], entries, produce) -> None:
-    """Write a safetensors file: `metadata` (if any) and, for each (name, dtype, shape) of
-    `entries` (already checked), in order, the bytes of `produce(name)`, dropped before the
-    next is made. The bytes go to a temporary file of the same directory, unique to this call
-    and created exclusively, which replaces `path` atomically (os.replace) once complete."""
+    """Write a safetensors file: `metadata` (if any), then for each (name, dtype, shape) of
+    `entries` (checked), in order, the bytes of `produce(name)`, dropped before the next. They
+    go to a temporary file beside `path`, unique to this call, that replaces it once complete."""
     header: Dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:

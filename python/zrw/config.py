@@ -171,13 +171,10 @@ def known_recipes() -> list[str]:
 
 
 def get_recipe(name, scale_mode: str | None = None) -> QuantRecipe:
-    """The recipe registered as ``name``; a ``QuantRecipe`` passed in is returned as is.
-
-    ``scale_mode`` ("floor" or "rceil"), when given, replaces the recipe's scale rule:
-    ``zrw.convert(model, get_recipe("mxfp8", scale_mode="floor"))`` trains with the other rule.
-    Raises ValueError for an unknown name (listing the known ones), an unknown scale rule, or a
-    factory whose result is not a QuantRecipe of that name.
-    """
+    """The recipe registered as ``name`` (a ``QuantRecipe`` is returned as is), with
+    ``scale_mode`` ("floor" or "rceil"), when given, as its scale rule. ValueError for an
+    unknown name (listing the known ones) or scale rule, or a factory whose result is not a
+    QuantRecipe of that name."""
     if scale_mode is not None:
         recipe = get_recipe(name)
         if scale_mode == recipe.scale_mode:

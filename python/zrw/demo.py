@@ -327,9 +327,9 @@ def print_report(s: dict) -> None:
 
 
 def plot(summaries: List[dict], path) -> None:
-    """Loss curves of the three modes; live memory through one step; and, for the
-    zero-redundancy run, the weight lifecycle: BF16 bytes resident vs FP8 bytes cached.
-    `path`: a file name or a binary file object (the PNG is written to it)."""
+    """Loss curves of the modes; live memory through one step; and, for the BF16-free step, the
+    weight lifecycle (BF16 bytes resident vs FP8 bytes cached), as a PNG to `path` (a file name
+    or a binary file object)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -59,8 +59,7 @@ def _choice(op: str, arg: str, value) -> str:
 
 
 def _torchao(op: str, kernel: str = "emulated", scale_mode: str = "rceil"):
-    """torchao's MXTensor and QuantizeTensorToMXKwargs, with the KernelPreference of `kernel`
-    and the ScaleCalculationMode of `scale_mode` (torchao is an optional dependency)."""
+    """torchao's MXTensor, its kwargs class, and `kernel`'s and `scale_mode`'s torchao enums."""
     try:
         from torchao.prototype.mx_formats.config import ScaleCalculationMode as Mode
         from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs

@@ -34,13 +34,10 @@ class MXPlane:
 
 @dataclass(frozen=True)
 class MXWeight:
-    """The cached MXFP8 copy of one weight W (N, K) or (E, N, K).
-
-    fwd: data (.., N, K) blocked along K with scale (.., N, ceil(K/32)) — the forward GEMM's
-    operand. bwd: data (.., N, K) blocked along N with scale (.., ceil(N/32), K) — dgrad uses
-    bwd.data.t(). For "mxfp8-32x32", fwd.data is bwd.data (one FP8 tensor) and block_scale
-    (.., ceil(N/32), ceil(K/32)) is set; fwd/bwd scales are its row/column expansions.
-    """
+    """The cached MXFP8 copy of one weight W (N, K) or (E, N, K). fwd: data blocked along K,
+    scale (.., N, ceil(K/32)), the forward GEMM's operand; bwd: data blocked along N, scale
+    (.., ceil(N/32), K) (dgrad uses bwd.data.t()). For "mxfp8-32x32", fwd.data is bwd.data and
+    block_scale (.., ceil(N/32), ceil(K/32)) is set; the scales are its expansions."""
 
     recipe: str
     fwd: MXPlane
@@ -66,10 +63,9 @@ class MXWeight:
 
 
 class MXPlanesCarrier:
-    """Mixin of a tensor that holds a weight as MX planes instead of data.
-
-    `mx_weight(need)` returns the planes as an MXWeight; `need` ("fwd" or "bwd") names the plane
-    the caller is about to read (a carrier may hold only one). `zrw_name` names the weight."""
+    """Mixin of a tensor that holds a weight as MX planes instead of data: `mx_weight(need)`
+    returns them as an MXWeight, `need` ("fwd" or "bwd") naming the plane the caller is about
+    to read (a carrier may hold only one). `zrw_name` names the weight."""
 
     zrw_name: str = ""
 

@@ -1,9 +1,9 @@
 """The plain-PyTorch specification of every zrw MX op: readable first, fast never.
 
 Every backend (the C++ CPU kernels, CUDA, NPU) must produce the same bytes as these functions;
-tests compare against them with zero tolerance. The format and its rules (OCP Microscaling
-v1.0, MXFP8: blocks of 32, E8M0 scales, the `floor` and `rceil` scale rules, rounding, the
-specials, the layouts) are docs/design.md §3; the code below spells them out. Why it is exact:
+tests compare against them with zero tolerance. The format and its rules (OCP MXFP8 v1.0:
+blocks, E8M0 scales, the `floor` and `rceil` rules, rounding, specials, layouts) are
+docs/design.md §3; the code below spells them out. Why it is exact:
 every bf16/fp16/fp32 value times ``2^-e`` for ``e`` in [-127, 127] is exactly representable in
 float64, so blocks are scaled in float64 and rounded once, to fp8. No function here calls a
 compiled kernel, but the module imports ``zrw.ops`` (``SCALE_MODES``, whose one source is the

@@ -62,9 +62,8 @@ class QuantizeConfig:
     all_gather_both_planes: mxfp8 only: every gather carries both planes, as the RFC's original
         scheme does (needed with reshard_after_forward=False or activation recompute); by
         default each gather carries the plane its phase needs.
-    release: zero-redundancy weights (release the BF16 weight while its FP8 copy serves).
-    skip: name parts of modules kept in high precision (None: zrw.convert's default).
-    """
+    release: zero-redundancy weights. skip: name parts of modules kept in high precision (None:
+    zrw.convert's default)."""
 
     recipe_name: str = "mxfp8"
     scale_mode: Optional[str] = None

@@ -222,15 +222,11 @@ def _names(op: str, arg: str, value, allowed: tuple) -> Tuple[str, ...]:
 
 
 class NumericsTelemetry:
-    """Collects QuantStats per layer, tensor and scale rule while installed (see the module
-    docstring). `model` (a `torch.compile` wrapper: the model it wraps): its zrw layers are
-    measured (with `recipe`, also its plain nn.Linear layers). `tensors`: which of TENSORS.
-    `layers`: name parts; a layer is measured when its qualified name contains one of them
-    (`layers="fc1"` is `["fc1"]`, and also measures "fc10"). `scale_modes`: measure under
-    these scale rules instead of each layer's own.
-
-    Use as a context manager (`with collect(model) as tel:`) or with start() / stop().
-    """
+    """Collects QuantStats per layer, tensor and scale rule while installed (the module
+    docstring), as a context manager (`with collect(model) as tel:`) or with start() / stop().
+    `tensors`: which of TENSORS. `layers`: name parts; a layer is measured when its qualified
+    name contains one (`layers="fc1"` also measures "fc10"; a part matching no layer is
+    refused). `scale_modes`: measure under these rules instead of each layer's own."""
 
     def __init__(
         self,

@@ -1,11 +1,8 @@
 """Test and benchmark instruments: fault injection, kernel counters, collective byte counts,
-zrw.fsdp's shard quantization count.
-
-Nothing in zrw's training path uses this module and `import zrw` does not load it: a test or a
-benchmark opts in with `import zrw.testing`. What it holds changes process-wide state (the
-counting allocator's failure plan, the CPU GEMM counters, ProcessGroup's all-gather methods), so
-use it from one thread, around the code under test, and let each context manager restore what it
-changed.
+zrw.fsdp's shard quantization count. `import zrw` does not load it (`import zrw.testing` opts
+in). It changes process-wide state (the allocator's failure plan, the CPU GEMM counters,
+ProcessGroup's all-gather methods): use it from one thread, around the code under test; each
+context manager restores what it changed.
 """
 
 from __future__ import annotations

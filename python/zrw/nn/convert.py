@@ -202,9 +202,8 @@ def convert(
 
 
 def _install_root_hooks(model: nn.Module) -> None:
-    """Hooks on the converted model itself (once): a load_state_dict pre-hook that validates
-    the whole state dict before anything is written, and a forward pre-hook that finds weights
-    tied after convert, once per optimizer step."""
+    """Hooks on the converted model itself (once): the all-or-nothing load_state_dict check,
+    and the tie checks at the first forward of each step and at state_dict()."""
     rec = module_record(model)
     if rec.root_hooks is not None:
         return
@@ -217,9 +216,8 @@ def _install_root_hooks(model: nn.Module) -> None:
 
 @torch._dynamo.disable(reason=cache.EAGER_ONLY)
 def _tie_check_pre_hook(module: nn.Module, args) -> None:
-    """Forward pre-hook of a converted model: hold_tied_weights at the first forward of each
-    optimizer step (module-level, so that the model still pickles). Eager-only, like the
-    cache it reads: torch.compile runs it outside the graph."""
+    """hold_tied_weights at the first forward of each optimizer step (module-level, so that the
+    model still pickles; eager-only, like the cache it reads)."""
     step = cache.cache_stats()["step"]
     rec = module_record(module)
     if rec.tie_step != step:
