@@ -156,15 +156,6 @@ def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
     return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
 
 
-def _tensor_list(op: str, arg: str, ts) -> List[Tensor]:
-    if isinstance(ts, (Tensor, str, bytes, dict)) or not isinstance(ts, Iterable):
-        raise TypeError(
-            f"{op}: {arg} must be an iterable of tensors (a list, not a single "
-            f"tensor, name or dict), got {type(ts).__name__}"
-        )
-    return [_check_tensor(op, f"{arg}[{i}]", t) for i, t in enumerate(ts)]
-
-
 def _as_list(ts):
     """An iterable that _tensor_list takes, as a list (a generator read once); anything else
     as it is, for _tensor_list to refuse."""
@@ -488,7 +479,6 @@ def write_back(
 
 
 @torch._dynamo.disable(reason=EAGER_ONLY)
-@torch._dynamo.disable(reason=EAGER_ONLY)
 def restore_all(fill: str = "master") -> int:
     """Restore every released trainable weight and drop every trainable weight's FP8 entry.
 
@@ -538,9 +528,6 @@ def cache_clear(fill: str = "dequant") -> None:
     only source left for a frozen weight — lossy), so no weight loses its only copy. A weight
     that cannot be restored keeps its entry, and the error names it."""
     _check_fill("zrw.cache.cache_clear", fill)
-    if fill == "master":
-        lifecycle.restore_all("master")
-        fill = "dequant"
     try:
         lifecycle.clear(fill)
     finally:

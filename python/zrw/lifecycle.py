@@ -63,6 +63,32 @@ class CacheState(str, enum.Enum):
 _STATES = tuple(CacheState(n) for n in _C.state_names())
 
 
+# The events of docs/design.md §5 ("Where each rule is enforced"): the functions below that
+# change a weight's state; tests/cache/test_stateful.py names the rules that cause each.
+EVENTS = (
+    "use",
+    "boundary",
+    "drop_before_step",
+    "write_back",
+    "next_step",
+    "take_into_master",
+    "restore",
+    "restore_value",
+    "restore_all",
+    "assign",
+    "invalidate",
+    "clear",
+    "fill_frozen",
+    "hold_for_write",
+    "tie",
+    "own",
+    "disown",
+    "add_master",
+    "leave",
+    "copied",
+)
+
+
 class StaleCopyError(RuntimeError):
     """verify mode: a cached FP8 copy is not the quantization of its weight's current value."""
 
@@ -460,12 +486,14 @@ def use(
     name: Optional[str],
     require_owner: bool,
     trainable: bool,
+    rec: Optional[WeightRecord] = None,
 ) -> List[Tensor]:
     """A use of weight w by a layer (first use in a step, later use, PENDING's next use): the
     native lookup, quantizing, filing and releasing as the guard allows. Returns the entry's
     tensors. Arguments checked by zrw.cache.quant_and_release."""
     recipe, elem_dtype, scale_mode = layout
-    rec = record_of(w)
+    if rec is None:
+        rec = record_of(w)
     if name is None:
         name = rec.name
     release = release and release_enabled()
@@ -623,6 +651,15 @@ def invalidate(w: Tensor, fill: str) -> bool:
 
 
 def clear(fill: str) -> None:
+    """Every entry dropped, released weights restored first: with "master" each one that has a
+    master (a frozen one released for good included) exactly from it, the rest by
+    dequantization (their only value)."""
+    if fill == "master":
+        restore_all("master")
+        for w, m in registered_masters():
+            if state(w) is CacheState.RELEASED_FOR_GOOD:
+                torch.ops.zrw.restore(w, "master", m)
+        fill = "dequant"
     torch.ops.zrw.cache_clear(fill)
 
 

@@ -1,4 +1,4 @@
-"""From a layer's weight to its MX planes: one policy, one function (a level above zrw.cache,
+"""From a layer's weight to its MX planes: one policy, one handle (a level above zrw.cache,
 below the layers).
 
 `WeightPolicy` is how a layer treats its quantized weights: the recipe, whether to release
@@ -6,7 +6,9 @@ below the layers).
 and the name for zrw's messages. Every zrw layer carries one (`layer.policy`), built from its
 public attributes.
 
-`weight_planes(weight, policy)` turns any kind of weight a layer can meet into its planes:
+`resolve(weight)` decides once per layer call what a weight is (`WeightHandle`: its kind, the
+tensor the cache works on, its record, whether it is trained, where main_grad goes), and
+`planes(handle, policy)` gives its MX planes. The kinds:
   * a tensor that carries its planes (zrw.planes.MXPlanesCarrier: FSDP2's gathered weight);
   * a parallel engine's `DTensor.to_local()` view (transformers' expert styles): the planes of
     the local shard it shows, which `prepare_local_shards` (zrw.parallel.prepare's pre-hook)
@@ -24,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cache, lifecycle
+from . import cache, frozen, lifecycle
 from ._dtensor import check_tensor, engine_view_owner, is_dtensor, wrap_like
 from .config import QuantRecipe, get_recipe
 from .planes import MXPlane, MXPlanesCarrier, MXWeight
@@ -146,39 +148,112 @@ def quant_engine_view(
     return quant_local(owner, view.requires_grad, recipe, release, release_frozen, name)
 
 
-def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
-    """The MX planes of any weight a zrw layer meets (see the module docstring). For a carrier
-    the backward plane is None: it is read from the weight in backward, after FSDP2's
-    re-gather (FSDP2 frees the gathered planes at reshard and refills them then)."""
-    check_policy("zrw.weights.weight_planes", policy)
-    recipe = policy.recipe
+class WeightHandle:
+    """What a layer's weight is, decided once per layer call (`resolve`):
+
+    kind        "plain", "dtensor" (DTensor TP: its local shard), "engine_view" (a parallel
+                engine's to_local() view of a prepared local shard) or "carrier" (FSDP2's
+                gathered weight, which carries its planes)
+    weight      the tensor the layer was given (autograd hands it the weight gradient)
+    local       the tensor the cache works on (the local shard; the weight itself otherwise)
+    record      its weight record, or None
+    trainable   whether an optimizer steps it (a local shard: its DTensor's flag)
+    grad_owner  the parameter that accumulates its main_grad
+    """
+
+    __slots__ = ("kind", "weight", "local", "record", "trainable", "grad_owner")
+
+    def __init__(self, kind, weight, local, record, trainable, grad_owner):
+        self.kind, self.weight, self.local, self.record = kind, weight, local, record
+        self.trainable, self.grad_owner = trainable, grad_owner
+
+    @property
+    def name(self) -> str:
+        """Its name for messages: the record's (the only store of a weight's name)."""
+        return self.record.name if self.record is not None else ""
+
+
+def resolve(weight: Tensor) -> WeightHandle:
+    """The handle of a weight a zrw layer meets (see the module docstring). Under
+    torch.compile it runs eagerly (a graph break with zrw's reason): it reads the records."""
+    if torch.compiler.is_compiling():
+        return _resolve_eagerly(weight)
+    return _resolve(weight)
+
+
+def _resolve(weight: Tensor) -> WeightHandle:
     if isinstance(weight, MXPlanesCarrier):
-        q = weight.mx_weight("fwd")
-        return MXWeight(q.recipe, q.fwd, MXPlane(None, None))
+        return WeightHandle("carrier", weight, weight, None, weight.requires_grad, weight)
+    if is_dtensor(weight):
+        local = weight._local_tensor
+        return WeightHandle(
+            "dtensor", weight, local, find_record(local), weight.requires_grad, weight
+        )
     owner = engine_view_owner(weight)
     if owner is not None:
-        return quant_engine_view(
-            weight, owner, recipe, policy.release, policy.release_frozen, policy.name
+        rec = find_record(owner)
+        dt = rec.dtensor() if rec is not None and rec.dtensor is not None else None
+        return WeightHandle(
+            "engine_view", weight, owner, rec, weight.requires_grad, weight if dt is None else dt
         )
-    if is_dtensor(weight):
-        return quant_local(
-            weight._local_tensor,
-            weight.requires_grad,
-            recipe,
+    return WeightHandle("plain", weight, weight, find_record(weight), weight.requires_grad, weight)
+
+
+_resolve_eagerly = torch._dynamo.disable(_resolve, reason=cache.EAGER_ONLY)
+
+
+def planes(h: WeightHandle, policy: WeightPolicy) -> MXWeight:
+    """The MX planes of a resolved weight. For a carrier the backward plane is None: it is read
+    from the weight in backward, after FSDP2's re-gather (FSDP2 frees the gathered planes at
+    reshard and refills them then). Any other kind: the native cache's lookup of its local
+    tensor (quantize, file and release on a miss), with the policy's recipe (a checked
+    QuantRecipe) and the weight's name from its record."""
+    if h.kind == "carrier":
+        q = h.weight.mx_weight("fwd")
+        return MXWeight(q.recipe, q.fwd, MXPlane(None, None))
+    if h.kind == "engine_view" and (h.record is None or not h.record.prepared):
+        raise RuntimeError(
+            f"zrw: weight '{policy.name or h.name or tuple(h.local.shape)}' reaches its layer "
+            "as a DTensor.to_local() view (a parallel engine, e.g. transformers' "
+            "moe_tp_experts / ep_dispatch_experts, hands the layer its local shard), but "
+            "zrw.parallel.prepare(model) has not run on it. Call zrw.parallel.prepare(model) "
+            "once after the model is sharded: it checks the local shards and quantizes and "
+            "releases them before the engine makes the view"
+        )
+    recipe = policy.recipe
+    w = h.local
+    if torch.compiler.is_compiling() or w.is_meta:  # graph break / the named refusals
+        return cache.quant_and_release(
+            w,
+            recipe.cache_layout,
             policy.release,
-            policy.release_frozen,
-            policy.name,
+            release_frozen=policy.release_frozen,
+            elem_dtype=recipe.elem_dtype,
+            scale_mode=recipe.scale_mode,
+            name=policy.name,
+            require_owner=True,
+            trainable=h.trainable,
         )
-    return cache.quant_and_release(
-        weight,
-        recipe.cache_layout,
+    tensors = lifecycle.use(
+        "zrw.cache.quant_and_release",
+        w,
+        (recipe.cache_layout, recipe.elem_dtype, recipe.scale_mode),
         policy.release,
-        release_frozen=policy.release_frozen,
-        elem_dtype=recipe.elem_dtype,
-        scale_mode=recipe.scale_mode,
-        name=policy.name,
-        require_owner=True,
+        policy.release_frozen,
+        policy.name,
+        True,
+        h.trainable,
+        h.record,
     )
+    if policy.release and policy.release_frozen and not h.trainable:
+        frozen.mark(w)
+    return MXWeight.from_tensors(recipe.cache_layout, tensors)
+
+
+def weight_planes(weight: Tensor, policy: WeightPolicy) -> MXWeight:
+    """planes(resolve(weight), policy), for one call."""
+    check_policy("zrw.weights.weight_planes", policy)
+    return planes(resolve(weight), policy)
 
 
 def main_grad_owner(weight: Tensor) -> Tensor:

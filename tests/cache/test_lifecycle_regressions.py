@@ -40,6 +40,15 @@ SEQUENCES = {
         [("step",), ("micro_batch", 0), ("freeze", "down", False), ("failing_step",),
          ("micro_batch", 1), ("deepcopy_optimizer",), ("step",)],
     ),
+    # cache_clear("master") restored a frozen weight released for good from its FP8 copy
+    "cache_clear_of_a_frozen_weight": (
+        dict(recipe="mxfp8", keep_released=False, release_frozen=True, main_grad=True),
+        [("data_write", "head", "assign"), ("keep_vars", True), ("deepcopy_optimizer",),
+         ("zero_grad", False), ("data_write", "head", "add_"), ("load_held_keep_vars",),
+         ("micro_batch", 0), ("zero_grad", True), ("freeze", "head", False),
+         ("restore_weights", "restore"), ("micro_batch", 2), ("deepcopy_optimizer",),
+         ("restore_weights", "cache_clear")],
+    ),
 }  # fmt: skip
 
 
@@ -119,3 +128,20 @@ def test_loading_a_detached_keep_vars_dict_after_the_step_changes_nothing():
     model.load_state_dict({k: v.detach() for k, v in held.items()})
     assert cache.is_released(model[0].weight)
     assert_bitwise_dicts(before, model.state_dict(), "after loading the detached dict")
+
+
+def test_cache_clear_from_the_masters_restores_frozen_weights_exactly():
+    """cache_clear("master") restores a frozen weight released for good from its master too,
+    not from its FP8 copy (lossy)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    zrw.convert(model, recipe="mxfp8", release_frozen=True)
+    opt = zrw.optim.AdamW(model.parameters(), lr=1e-2)
+    want = model[0].weight.detach().clone()
+    model[0].weight.requires_grad_(False)
+    model(torch.randn(4, 64).to(torch.bfloat16))
+    assert cache.cache_state(model[0].weight) == "released_for_good"
+    cache.cache_clear("master")
+    assert cache.cache_state(model[0].weight) == "none"
+    assert_bitwise(model[0].weight.detach(), want)
+    del opt

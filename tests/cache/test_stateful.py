@@ -61,7 +61,7 @@ from hypothesis.stateful import (
 import zrw
 from helpers.bitwise import assert_bitwise, assert_bitwise_dicts
 from helpers.user_actions import BETWEEN, BF16, INSIDE, Tiny, loss_of, snapshot
-from zrw import cache
+from zrw import cache, lifecycle
 from zrw.optim import MasterWeights, attach
 
 CONVERTED = ("up", "down", "head")
@@ -367,6 +367,42 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
         self.both("load a held state_dict(keep_vars=True)", load)
 
+    @precondition(lambda self: self.micro == 0)
+    @rule()
+    def detach_attach(self):
+        def again(w):
+            for o in w.opts:
+                zrw.optim.detach(o)  # released weights come back exactly
+                attach(o)
+
+        self.both("zrw.optim.detach(opt) then attach(opt)", again)
+
+    @rule(how=st.sampled_from(["restore", "restore_all", "cache_clear"]))
+    def restore_weights(self, how):
+        def bring_back(w):
+            if how == "restore":
+                for n in CONVERTED:
+                    p = w.weight(n)
+                    if cache.is_released(p) and cache.master_of(p) is not None:
+                        cache.restore(p, "master")
+            elif how == "restore_all":
+                cache.restore_all("master")
+            else:
+                cache.cache_clear("master")
+
+        self.both(f"zrw.cache {how} from the masters", bring_back)
+
+    @precondition(lambda self: self.micro == 0)
+    @rule(which=st.sampled_from(CONVERTED))
+    def leave_optimizer(self, which):
+        def drop(w):
+            p = w.weight(which)
+            for o in w.opts:
+                for g in o.param_groups:
+                    g["params"][:] = [q for q in g["params"] if q is not p]
+
+        self.both(f"{which}.weight removed from the optimizers' param groups", drop)
+
     @rule()
     def deepcopy_optimizer(self):
         def dup(w):
@@ -446,6 +482,39 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                             f"release={release}: cached FP8 copy of {name} ({state}) "
                             f"is stale (tensor {i})",
                         )
+
+
+# The rules that cause each event of docs/design.md §5 (zrw.lifecycle.EVENTS).
+EVENT_RULES = {
+    "use": ["micro_batch", "inside_action", "freeze"],
+    "boundary": ["detach_attach"],
+    "drop_before_step": ["step", "failing_step"],
+    "write_back": ["step", "failing_step", "resume"],
+    "next_step": ["step"],
+    "take_into_master": ["data_write", "resume", "second_optimizer", "between_action"],
+    "restore": ["restore_weights"],
+    "restore_value": ["between_action", "inside_action"],
+    "restore_all": ["restore_weights"],
+    "assign": ["between_action", "resume"],
+    "invalidate": ["between_action", "data_write"],
+    "clear": ["restore_weights"],
+    "fill_frozen": ["leave_optimizer", "data_write"],
+    "hold_for_write": ["between_action", "inside_action"],
+    "tie": ["between_action"],
+    "own": ["detach_attach", "second_optimizer"],
+    "disown": ["detach_attach"],
+    "add_master": ["second_optimizer", "detach_attach"],
+    "leave": ["leave_optimizer"],
+    "copied": ["deepcopy_optimizer", "deepcopy_all"],
+}
+
+
+def test_every_lifecycle_event_has_a_rule():
+    assert set(EVENT_RULES) == set(lifecycle.EVENTS), set(EVENT_RULES) ^ set(lifecycle.EVENTS)
+    for event, rules in EVENT_RULES.items():
+        assert rules, event
+        for r in rules:
+            assert callable(getattr(ReleaseOnEqualsOff, r, None)), (event, r)
 
 
 ReleaseOnEqualsOff.TestCase.settings = settings(

@@ -149,3 +149,18 @@ def test_the_optimizer_boundary_drops_the_shard_caches():
     p.grad = torch.zeros_like(p)
     opt.step()
     assert pq._mx_planes is None
+
+
+def test_a_write_into_the_shard_is_seen_by_the_next_quantization():
+    """The shard planes follow the native cache's rule for unreleased weights: a load into the
+    shard (DCP's copy_, a hand-written update) between two boundaries is quantized afresh."""
+    p = nn.Parameter(torch.randn(64, 32))
+    pq = PreQuantWeight(p.detach(), zrw.get_recipe("mxfp8"), "w")
+    first = pq._quantized_shard(torch.bfloat16)
+    assert pq._quantized_shard(torch.bfloat16) is first  # same step, unchanged: kept
+    with torch.no_grad():
+        pq.copy_(torch.randn(64, 32))  # into the inner tensor (copy_ keeps the subclass)
+    again = pq._quantized_shard(torch.bfloat16)
+    want = zrw.ops.mx_quantize_dual(pq._tensor.to(torch.bfloat16), torch.float8_e4m3fn, "rceil")
+    assert again is not first
+    assert torch.equal(again.fwd.data.view(torch.uint8), want[0].view(torch.uint8))

@@ -38,7 +38,9 @@ from ..weights import (
     accumulate_main_grad,
     check_policy,
     check_recipe,
+    planes,
     quant_local,
+    resolve,
     weight_planes,
 )
 from ..weights import main_grad_owner as _main_grad_owner
@@ -309,16 +311,23 @@ def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], policy: WeightPol
                 f"{_LINEAR}: bias must have shape ({weight.shape[0]},) (the "
                 f"weight's out_features), got {tuple(bias.shape)}"
             )
+    h = resolve(weight)  # what the weight is, decided once for this call
     if x.shape[-1] != weight.shape[-1]:
-        name = cache.weight_name(weight) if policy.name is None else policy.name
+        name = policy.name or h.name
         raise ValueError(
             f"{_LINEAR}: input's last dim must equal weight '{name}''s in_features "
             f"{weight.shape[-1]}, got input of shape {tuple(x.shape)}"
         )
-    if is_dtensor(weight):
+    if h.kind == "dtensor":
         return _dtensor_linear(x, weight, bias, policy)
     return apply_mx_linear(
-        x, weight, bias, weight_planes(weight, policy), policy.recipe, policy.main_grad
+        x,
+        weight,
+        bias,
+        planes(h, policy),
+        policy.recipe,
+        policy.main_grad,
+        main_grad_owner=h.grad_owner,
     )
 
 
@@ -541,8 +550,9 @@ def _grouped_linear(
             "(transformers' tp_plan / ep_plan: moe_tp_experts, ep_dispatch_experts); a DTensor "
             "expert stack without such an engine style is not supported"
         )
-    q = weight_planes(weight, policy)
-    owner = _main_grad_owner(weight) if main_grad else None
+    h = resolve(weight)
+    q = planes(h, policy)
+    owner = h.grad_owner if main_grad else None
     return _MXGroupedFn.apply(
         x.contiguous(),
         weight,
