@@ -10,6 +10,7 @@ master and fresh inner state, keeps its own, or gives them up, at the next step 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
@@ -197,8 +198,17 @@ class ParamState(MutableMapping):
     step keeps an entry of its own here, as in torch's defaultdict."""
 
     def __init__(self, opt):
-        self._opt = opt
+        # Weak: the optimizer holds this view, and a cycle would keep its masters and moments
+        # alive until the garbage collector runs.
+        self._ref = weakref.ref(opt)
         self._other: Dict[Any, Any] = {}
+
+    @property
+    def _opt(self):
+        opt = self._ref()
+        if opt is None:
+            raise RuntimeError("zrw.optim.MasterWeights.state: its optimizer is gone")
+        return opt
 
     def _master(self, p) -> Optional[torch.Tensor]:
         resync(self._opt)
