@@ -40,19 +40,18 @@ from .lifecycle import (
     FILLS,
     RECIPES,
     CacheState,
-    StaleCopyError,
     holds_master,
     no_release,
     release_enabled,
     take_into_master,
     unchanged_since_write_back,
-    verify,
     weight_digest,
     weight_signature,
 )
 from .ops import E4M3, E5M2, SCALE_MODES
 from .planes import MXWeight
 from .record import find_record, records
+from .verify import StaleCopyError, verify
 
 __all__ = [
     "CacheState",

@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import threading
 import warnings
 import weakref
-from typing import ContextManager, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _C, ops
+from . import _C
+from . import verify as verify_mode
 from ._dtensor import local_tensor as _local
 from .record import WeightRecord, find_record, record_of, records
+from .verify import verifying
+from .write_check import holds_master, plain_tensor, tensor_arg, weight_digest, weight_signature
 
 # One source: the native cache's names (csrc/common/names.h).
 FILLS = tuple(_C.fill_names())
@@ -65,32 +67,11 @@ _STATES = tuple(CacheState(n) for n in _C.state_names())
 
 # The events of docs/design.md §5 ("Where each rule is enforced"): the functions below that
 # change a weight's state; tests/cache/test_stateful.py names the rules that cause each.
-EVENTS = (
-    "use",
-    "boundary",
-    "drop_before_step",
-    "write_back",
-    "next_step",
-    "take_into_master",
-    "restore",
-    "restore_value",
-    "restore_all",
-    "assign",
-    "invalidate",
-    "clear",
-    "fill_frozen",
-    "hold_for_write",
-    "tie",
-    "own",
-    "disown",
-    "add_master",
-    "leave",
-    "copied",
+EVENTS = tuple(
+    "use boundary drop_before_step write_back next_step take_into_master restore restore_value "
+    "restore_all assign invalidate clear fill_frozen hold_for_write tie own disown add_master "
+    "leave copied".split()
 )
-
-
-class StaleCopyError(RuntimeError):
-    """verify mode: a cached FP8 copy is not the quantization of its weight's current value."""
 
 
 def state(w: Tensor) -> CacheState:
@@ -122,7 +103,7 @@ def shown_name(w: Tensor, name: Optional[str] = None) -> str:
     return f"<unnamed weight of shape {tuple(w.shape)}>"
 
 
-# ---- no_release and verify mode ----------------------------------------------------------------
+# ---- no_release -----------------------------------------------------------------------------
 
 _local_state = threading.local()
 
@@ -142,34 +123,6 @@ def release_enabled() -> bool:
     return getattr(_local_state, "no_release", 0) == 0
 
 
-_VERIFY_ENV = os.environ.get("ZRW_VERIFY", "") not in ("", "0")
-
-
-def verify(enabled: bool = True) -> ContextManager[None]:
-    """Within this block every use of a cached weight re-quantizes the weight's current value
-    and compares the bytes with the copy it is served; a mismatch raises StaleCopyError naming
-    the weight and the last lifecycle event that touched it. ZRW_VERIFY=1 turns it on for a
-    whole run. A wrong `enabled` is refused by the call, before the block."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"zrw.cache.verify: enabled must be a bool, got {type(enabled).__name__}")
-    return _verify_block(enabled)
-
-
-@contextlib.contextmanager
-def _verify_block(enabled: bool) -> Iterator[None]:
-    prev = getattr(_local_state, "verify", None)
-    _local_state.verify = enabled
-    try:
-        yield
-    finally:
-        _local_state.verify = prev
-
-
-def verifying() -> bool:
-    on = getattr(_local_state, "verify", None)
-    return _VERIFY_ENV if on is None else on
-
-
 def current_value(w: Tensor) -> Optional[Tensor]:
     """The value a use must quantize (docs/design.md §5): bf16 of the master for a released
     weight that has one, its storage for one that is not released, None for a weight whose
@@ -181,34 +134,10 @@ def current_value(w: Tensor) -> Optional[Tensor]:
     return None if master is None else master.detach().to(w.dtype)
 
 
-def expected_tensors(value: Tensor, layout: tuple) -> List[Tensor]:
-    """The quantization of `value` in the native entry's tensor order (layout: recipe, element
-    dtype, scale mode)."""
-    recipe, elem_dtype, scale_mode = layout
-    if recipe == "mxfp8":
-        return list(ops.mx_quantize_dual(value, elem_dtype, scale_mode))
-    data, block = ops.mx_quantize_block(value, elem_dtype, scale_mode)
-    fwd = ops.expand_block_scale(block, value.shape, -1)
-    return [data, fwd, data, ops.expand_block_scale(block, value.shape, -2), block]
-
-
-def _bits(t: Tensor) -> Tensor:
-    return t.detach().contiguous().view(torch.uint8)
-
-
 def _verify(w: Tensor, rec: WeightRecord, served: List[Tensor], layout: tuple) -> None:
     value = current_value(w)
-    if value is None:
-        return
-    with torch.inference_mode():
-        want = expected_tensors(value, layout)
-    for i, (a, b) in enumerate(zip(served, want)):
-        if a.shape != b.shape or not torch.equal(_bits(a), _bits(b)):
-            raise StaleCopyError(
-                f"zrw.cache.verify: the FP8 copy served for weight {shown_name(w)!r} "
-                f"({state(w)}) is stale: tensor {i} differs from the quantization of its "
-                f"current value; last lifecycle event: {rec.last_event or 'none'}"
-            )
+    if value is not None:
+        verify_mode.check(served, value, layout, shown_name(w), str(state(w)), rec.last_event)
 
 
 # ---- names, owners, masters, ties, holds --------------------------------------------------------
@@ -307,70 +236,19 @@ def registered_masters() -> List[tuple]:
 
 # ---- the rule of truth --------------------------------------------------------------------------
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 20  # elements compared at a time: the check's transient stays small
 _U64 = (1 << 64) - 1
-
-
-def _tensor_arg(op: str, arg: str, t) -> None:
-    """The write check's and the rule of truth's public calls (zrw.cache re-exports them) refuse
-    a non-tensor by name."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"zrw.cache.{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def weight_signature(p: Tensor):
-    _tensor_arg("weight_signature", "p", p)
-    return (p._version, p.dtype, p.device, tuple(p.shape))
-
-
-def _plain(p: Tensor) -> Optional[Tensor]:
-    """The plain tensor holding p's bytes: a wrapper subclass with one inner tensor (FSDP2's
-    PreQuantWeight around a rank's shard) is unwrapped; None where there is no single one."""
-    while hasattr(p, "__tensor_flatten__"):
-        inner, _ = p.__tensor_flatten__()
-        if len(inner) != 1:
-            return None
-        p = getattr(p, inner[0])
-    return p
-
-
-def weight_digest(p: Tensor) -> Optional[int]:
-    """A 64-bit digest of p's bytes, or None where it is not taken (not a contiguous CPU
-    tensor). Read-only; p must not be released."""
-    _tensor_arg("weight_digest", "p", p)
-    p = _plain(p)
-    if p is None or p.device.type != "cpu" or not p.is_contiguous():
-        return None
-    return _C.bits_digest(p.data_ptr(), p.numel() * p.element_size())
-
-
-def holds_master(p: Tensor, m: Tensor) -> bool:
-    """Whether p's bits are exactly m.to(p.dtype), compared in chunks."""
-    _tensor_arg("holds_master", "p", p)
-    _tensor_arg("holds_master", "m", m)
-    if p.shape != m.shape or p.device != m.device or p.element_size() not in _BITS:
-        return False
-    bits = _BITS[p.element_size()]
-    pf, mf = p.detach().reshape(-1), m.detach().reshape(-1)
-    for i in range(0, pf.numel(), _CHUNK):
-        a = pf[i : i + _CHUNK].contiguous()
-        b = mf[i : i + _CHUNK].to(p.dtype)
-        if not torch.equal(a.view(bits), b.view(bits)):
-            return False
-    return True
 
 
 def unchanged_since_write_back(p: Tensor, rec: Optional[WeightRecord], master: Tensor) -> bool:
     """Whether p holds exactly what the last write-back from `master` wrote (its record `rec`
     says: signature, digest and the master written)."""
-    _tensor_arg("unchanged_since_write_back", "p", p)
+    tensor_arg("unchanged_since_write_back", "p", p)
     if rec is not None and not isinstance(rec, WeightRecord):
         raise TypeError(
             "zrw.cache.unchanged_since_write_back: rec must be a zrw.record.WeightRecord or "
             f"None, got {type(rec).__name__}"
         )
-    _tensor_arg("unchanged_since_write_back", "master", master)
+    tensor_arg("unchanged_since_write_back", "master", master)
     if rec is None or rec.digest is None or rec.written is None:
         return False
     cur = None if rec.current is None else rec.current()
@@ -380,8 +258,8 @@ def unchanged_since_write_back(p: Tensor, rec: Optional[WeightRecord], master: T
 def take_into_master(master: Tensor, value: Tensor) -> bool:
     """Rule of truth 1: a write reaches the master only if its bits differ from
     master.to(value.dtype). Returns whether the master changed."""
-    _tensor_arg("take_into_master", "master", master)
-    _tensor_arg("take_into_master", "value", value)
+    tensor_arg("take_into_master", "master", master)
+    tensor_arg("take_into_master", "value", value)
     master, value = _local(master), _local(value)
     if master.shape != value.shape:
         raise ValueError(
@@ -606,7 +484,7 @@ def write_back(
             raw = torch.empty(len(params), 2, dtype=torch.int64)
             # The plain tensors (FSDP2's PreQuantWeight wraps a rank's shard: its bytes and the
             # digest are its inner tensor's; such a shard is never in the native table).
-            plain = [q if q is not None else p for p, q in zip(params, map(_plain, params))]
+            plain = [q if q is not None else p for p, q in zip(params, map(plain_tensor, params))]
             torch.ops.zrw.assign_weights(plain, masters, keep_released, raw)
             digests = [d & _U64 if taken else None for taken, d in raw.tolist()]
     finally:

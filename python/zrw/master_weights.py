@@ -1,14 +1,6 @@
 """`MasterWeights`: a torch optimizer over BF16 parameters that steps FP32 masters of them
-(docs/design.md §5, "The BF16-free step and the optimizer boundary").
-
-It steps any plain torch optimizer on the masters and writes every master back into its
-parameter. By default (keep_released=True, the BF16-free step) a released weight stays
-released through the step: its FP8 copy is dropped before the inner step, and its next use
-quantizes straight from the master, so no BF16 weight storage is allocated during training.
-With keep_released=False (the seed's design) the write-back restores a released weight from its
-master. Its param groups carry the hyper-parameters (LR schedulers, manual changes and
-`add_param_group` work as with any optimizer). Every change to weight state goes through
-zrw.lifecycle's events.
+(docs/design.md §5, "The BF16-free step and the optimizer boundary"; the class docstring says
+how). Every change to weight state goes through zrw.lifecycle's events.
 """
 
 from __future__ import annotations

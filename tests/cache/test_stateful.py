@@ -124,6 +124,8 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
         super().__init__()
         self.worlds = {}
         self.micro = 0  # micro-batches since the last successful step
+        self.left = False  # a weight left the optimizer: its checkpoint no longer fits it
+        self.cfg = {"release_frozen": True}  # (build sets it)
         self.last = None  # what the last action returned in each world, compared
 
     # -- running one action in both worlds ------------------------------------------------
@@ -181,6 +183,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
             keep_released=keep_released,
             max_grad_norm=max_grad_norm,
         )
+        self.cfg = cfg
         self.worlds = {True: World(True, cfg), False: World(False, cfg)}
 
         def first_step(w):  # the checkpoint the loads and `resume` go back to
@@ -318,7 +321,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
         self.both("a second optimizer over shared parameters", add)
 
-    @precondition(lambda self: self.micro == 0)
+    @precondition(lambda self: self.micro == 0 and not self.left)
     @rule(order=st.sampled_from(["optimizer_first", "model_first"]))
     def resume(self, order):
         def load(w):
@@ -392,7 +395,9 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
 
         self.both(f"zrw.cache {how} from the masters", bring_back)
 
-    @precondition(lambda self: self.micro == 0)
+    # Not with release_frozen: a weight without a master frozen and released for good keeps only
+    # its FP8 copy, and its state_dict() value is that copy, by design (docs/guarantees.md).
+    @precondition(lambda self: self.micro == 0 and not self.cfg["release_frozen"])
     @rule(which=st.sampled_from(CONVERTED))
     def leave_optimizer(self, which):
         def drop(w):
@@ -402,6 +407,7 @@ class ReleaseOnEqualsOff(RuleBasedStateMachine):
                     g["params"][:] = [q for q in g["params"] if q is not p]
 
         self.both(f"{which}.weight removed from the optimizers' param groups", drop)
+        self.left = True
 
     @rule()
     def deepcopy_optimizer(self):
@@ -498,7 +504,6 @@ EVENT_RULES = {
     "assign": ["between_action", "resume"],
     "invalidate": ["between_action", "data_write"],
     "clear": ["restore_weights"],
-    "fill_frozen": ["leave_optimizer", "data_write"],
     "hold_for_write": ["between_action", "inside_action"],
     "tie": ["between_action"],
     "own": ["detach_attach", "second_optimizer"],
@@ -509,8 +514,18 @@ EVENT_RULES = {
 }
 
 
+# Events no rule can cause while release on must equal release off bit for bit, each with why
+# and where it is tested instead.
+NO_RULE = {
+    # only a frozen weight released for good WITHOUT a master reaches it, whose one value is its
+    # lossy FP8 copy: tests/cache/test_hostile_actions.py and tests/hf/test_peft.py test it
+    "fill_frozen": "lossy by design",
+}
+
+
 def test_every_lifecycle_event_has_a_rule():
-    assert set(EVENT_RULES) == set(lifecycle.EVENTS), set(EVENT_RULES) ^ set(lifecycle.EVENTS)
+    events = set(EVENT_RULES) | set(NO_RULE)
+    assert events == set(lifecycle.EVENTS), events ^ set(lifecycle.EVENTS)
     for event, rules in EVENT_RULES.items():
         assert rules, event
         for r in rules:

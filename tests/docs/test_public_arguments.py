@@ -1366,6 +1366,8 @@ NOT_USER_FACING = {
     "zrw.boundary": "the optimizer boundary: public as zrw.optim.attach, detach, ...",
     "zrw.frozen": "frozen weights: public through zrw.cache and zrw.checkpoint",
     "zrw.lifecycle": "the state machine: public through zrw.cache's checked calls",
+    "zrw.verify": "verify mode: public as zrw.cache.verify and zrw.cache.StaleCopyError",
+    "zrw.write_check": "the write check: public through zrw.cache's checked calls",
     "zrw.master_groups": "MasterWeights' parameter groups: public as zrw.optim.MasterWeights",
     "zrw.master_weights": "public as zrw.optim.MasterWeights",
     "zrw.mx_export": "the MX export: public through zrw.checkpoint",
