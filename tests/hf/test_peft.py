@@ -225,7 +225,7 @@ def test_merge_on_a_base_released_for_good(recipe, safe, tmp_path, monkeypatch):
         assert torch.equal(v, before[k]), k
 
     # the merge on the base released for good: one warning, naming a weight, saying it rounds
-    monkeypatch.setattr(cache, "_frozen_write_warned", False)
+    monkeypatch.setattr(zrw.frozen, "_frozen_write_warned", False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         merged = direct.merge_and_unload(safe_merge=safe)
@@ -333,7 +333,7 @@ def test_writes_to_an_fp8_only_weight(monkeypatch):
     reads of the weight itself still raise the named release error, and requires_grad_ is
     not a write (unfreezing without a master stays refused at the next use); a load restores
     it with the loaded values."""
-    monkeypatch.setattr(cache, "_frozen_write_warned", False)
+    monkeypatch.setattr(zrw.frozen, "_frozen_write_warned", False)
     model = build("convert-first", True, "mxfp8-32x32", release_frozen=True)
     train(model, steps=1)
     ws = {n: m.weight for n, m in model.named_modules() if n.endswith("base_layer")}
