@@ -115,7 +115,7 @@ def test_trainer_resume_is_bitwise_the_uninterrupted_run(tmp_path, how):
 def test_trainer_default_optimizer_trains_exactly_and_warns(tmp_path, monkeypatch):
     """No optimizer with the zrw boundary: nothing is released (no saving, and nothing lost),
     one warning names the fix, and the run is release off's."""
-    monkeypatch.setattr(cache, "_unowned_warned", False)  # once per process: not yet here
+    monkeypatch.setattr(zrw.lifecycle, "_unowned_warned", False)  # once per process: not yet here
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         on = train(tmp_path / "on", True, how="default")
