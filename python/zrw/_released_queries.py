@@ -12,7 +12,7 @@ so the C++ exception escapes into CPython and std::terminate aborts the process 
 `Tensor.is_shared()` and `TypedStorage.is_shared()` / `_is_shared()` all end there, and so
 does any library code that asks (torch.multiprocessing, DataLoader pinning, checkpointers).
 Every other Tensor and storage query that touches the data pointer raises the named error
-(tests/test_released_queries.py checks them all in child processes).
+(tests/cache/test_released_queries.py checks them all in child processes).
 
 The poison cannot be made softer without letting reads through (c10 checks one flag for every
 data-pointer access), so the fix is here, in one place: `torch.UntypedStorage.is_shared` is
